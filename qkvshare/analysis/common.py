@@ -1,0 +1,174 @@
+"""Helpers shared by the analysis commands: building configs for variants, tables, file names.
+
+Design notes
+- A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
+  variant is the base with only the sharing fields replaced (`projection_sharing`, `num_key_value_heads`,
+  `attention_map_pe_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
+- Llama-architecture config.json files (model_type llama/mistral) map onto the Llama-style QKVShare fields, so
+  the tools accept any such checkpoint directory.
+- This module imports only the configuration file of the core library, so `qkvshare costs` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from qkvshare.configuration_qkvshare import PRESETS, QKVShareConfig, parse_variant
+
+# The config's own model fields (everything below PreTrainedConfig's generic ones).
+MODEL_FIELDS = tuple(QKVShareConfig.__annotations__)
+
+
+def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
+    """Parse ``key=value`` strings; values are read as JSON when they parse (numbers, bools, lists), else strings."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key=value (example: --override hidden_size=512).")
+        key, value = item.split("=", 1)
+        if key not in MODEL_FIELDS:
+            raise ValueError(
+                f"override {key!r} is not a QKVShareConfig field; known fields: {', '.join(MODEL_FIELDS)}."
+            )
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
+    """A Llama-style QKVShare config with the shape of a Llama/Mistral ``config.json`` (plain QKV or GQA)."""
+    rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+    fields = dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=d.get("head_dim"),
+        max_position_embeddings=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), attention_bias=bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)), hidden_act=d.get("hidden_act", "silu"), rope_parameters=rope,
+        norm_type="rmsnorm", mlp_type="gated", position_embedding_type="rope",
+    )  # fmt: skip
+    return QKVShareConfig(**fields)
+
+
+def load_config_dict(model_dir: str | Path) -> dict[str, Any]:
+    """Read ``config.json`` of a model directory, with a clear error when it is missing."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{model_dir!s} has no config.json; pass a Hugging Face model directory (save_pretrained output)."
+        )
+    return json.loads(path.read_text())
+
+
+def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
+    """The config of a QKVShare or Llama-architecture model directory."""
+    d = load_config_dict(model_dir)
+    model_type = d.get("model_type")
+    if model_type == "qkvshare":
+        return QKVShareConfig(**{k: v for k, v in d.items() if k in MODEL_FIELDS})
+    if model_type in ("llama", "mistral"):
+        return config_from_llama_dict(d)
+    raise ValueError(
+        f"{model_dir!s}: model_type={model_type!r} is not supported; expected 'qkvshare' or a Llama-architecture "
+        "model ('llama', 'mistral')."
+    )
+
+
+def base_config(preset: str | None = None, model_dir: str | None = None, overrides: dict[str, Any] | None = None):
+    """The shape every variant shares: a preset or a model directory, then field overrides."""
+    if (preset is None) == (model_dir is None):
+        raise ValueError("give exactly one of --preset NAME or --model_dir DIR (the model shape to analyse).")
+    if preset is not None:
+        return QKVShareConfig.from_preset(preset, **(overrides or {}))
+    base = config_from_model_dir(model_dir)
+    return with_fields(base, **(overrides or {})) if overrides else base
+
+
+def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
+    """A copy of ``config`` with some model fields replaced (validated like any new config)."""
+    values = {k: getattr(config, k) for k in MODEL_FIELDS} | fields
+    return QKVShareConfig(**values)
+
+
+def variant_config(base: QKVShareConfig, variant: str) -> QKVShareConfig:
+    """``base`` turned into the paper variant ``variant`` (same shape; only the sharing fields change)."""
+    parsed = parse_variant(variant, base.num_attention_heads)
+    if not parsed["attention_map_pe_dim"]:
+        parsed["attention_map_pe_dim"] = 0
+    return with_fields(base, layer_projection_sharing=None, **parsed)
+
+
+def default_gqa_groups(num_heads: int) -> int | None:
+    """Key/value heads of the default GQA variant: H/4 as in the paper (GQA-4 at 16 heads, GQA-8 at 32), at least 2."""
+    for g in (num_heads // 4, 2):
+        if 1 < g < num_heads and num_heads % g == 0:
+            return g
+    return None
+
+
+def default_variants(base: QKVShareConfig, plus: bool = True) -> list[str]:
+    """QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA (and the "+" variants) for this head count."""
+    g = default_gqa_groups(base.num_attention_heads)
+    names = ["QKV", "Q=K-V", "Q-K=V", "Q=K=V"]
+    if g is not None:
+        names.append(f"GQA-{g}")
+    if base.num_attention_heads > 1:
+        names.append("MQA")
+    if g is not None:
+        names.append(f"Q-GQA-{g}")
+    if base.num_attention_heads > 1:
+        names.append("Q-MQA")
+    if plus:
+        names += ["(Q=K-V)+", "(Q=K=V)+"]
+    return names
+
+
+def check_variants(base: QKVShareConfig, variants: Sequence[str]) -> list[str]:
+    """Validate variant names against the base (clear ValueError before any long work)."""
+    for v in variants:
+        variant_config(base, v)
+    return list(variants)
+
+
+def slug(name: str) -> str:
+    """A file-system friendly name for a variant: ``Q-K=V`` -> ``Q-K_eq_V``, ``(Q=K=V)+`` -> ``Q_eq_K_eq_V_plus``."""
+    s = name.replace("=", "_eq_").replace("(", "").replace(")", "").replace("+", "_plus")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", s)
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (decimal prefixes, as the paper writes GB and G MACs)."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{prefix}{unit}"
+    return f"{n:g}{unit}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; numbers right-aligned."""
+
+    def cell(x: Any) -> str:
+        if isinstance(x, float):
+            if math.isnan(x):
+                return "-"
+            return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.0f}"
+        if isinstance(x, int) and not isinstance(x, bool):
+            return f"{x:,}"
+        return str(x)
+
+    body = [[cell(x) for x in row] for row in rows]
+    align = ["---:" if rows and isinstance(rows[0][i], (int, float)) else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def known_presets() -> str:
+    return ", ".join(PRESETS)

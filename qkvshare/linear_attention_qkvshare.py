@@ -1,0 +1,310 @@
+"""Q=K=V linear attention: the paper's appendix recurrence, with a constant-size cache.
+
+With one projection for query, key and value (z_t = W x_t) and a positive feature map phi, kernelized attention
+collapses into a recurrence (paper, appendix A.1):
+
+    S_t = lambda * S_{t-1} + phi(z_t) z_t^T          (state, D x D per head)
+    y_t = phi(z_t)^T S_t                              (input-dependent readout)
+
+Design notes
+- Normalization. The paper writes the numerator only. Unnormalized, |y_t| grows linearly with t (for lambda=1),
+  which a pre-norm residual stream does not survive at LM lengths. So by default the readout is divided by
+  phi(z_t)^T n_t with n_t = lambda * n_{t-1} + phi(z_t) (Katharopoulos et al. 2020, eq. 5: kernelized attention is
+  normalized, y_t is then a weighted mean of the z_s). ``normalize=False`` gives exactly the paper's formula.
+  Either way the state stays constant-size: S (B, H, D, D) and, when normalized, n (B, H, D).
+- Two forms, one result. Full sequences use the chunked parallel form: inside a chunk of C tokens a masked matmul
+  with decay powers lambda^(i-j); across chunks the carried state (inter-chunk term lambda^(i+1) phi(z_i)^T S).
+  Decoding one token from a cache is the same code with C=1, which is the recurrence itself. Tests check the
+  chunked form against a token-by-token loop written independently.
+- The state is kept and computed in float32 whatever the model dtype (accumulating sums in bf16 drifts).
+- Heads split like softmax attention (H heads of head_dim); parameters are Llama's names, `k_proj` and `o_proj`
+  only (Q=K=V has no q_proj/v_proj). No 1/sqrt(d) scale: the normalized readout is scale-free in S, and phi is
+  applied to the raw projection as in Katharopoulos et al.
+- Padding: tokens marked as padding by the attention mask do not enter the state (their phi(z) and z are zeroed).
+  The mask may be 2D (B, T_total) with 1 = keep, or a 4D (B, 1, T_q, T_total) boolean (True = attend) or additive
+  float mask (0 = attend): the last query row tells which keys are real.
+- `LinearAttentionStateLayer` is the cache layer (a transformers `CacheLayerMixin`, so `Cache.get_seq_length`
+  works and the model's position ids advance). `crop` cannot undo a recurrence and raises; beam reordering and
+  batch repeat/select act on the batch dimension of the state.
+- This file imports only torch/transformers and the config with a single-dot import: `save_pretrained` copies it
+  into checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .configuration_qkvshare import QKVShareConfig
+
+FEATURE_MAPS = {
+    # elu(x) + 1 > 0 everywhere (Katharopoulos et al. 2020): the normalizer never vanishes.
+    "elu_plus_one": lambda x: F.elu(x) + 1.0,
+    # relu(x) >= 0: can be exactly 0, hence the eps in the normalized readout.
+    "relu": F.relu,
+}
+
+
+class LinearAttentionStateLayer(CacheLayerMixin):
+    """Cache layer of a Q=K=V linear-attention layer: a constant-size state instead of per-token keys and values.
+
+    State (all float32, created on the first update):
+        state: (B, H, D, D), S_t = sum_s lambda^(t-s) phi(z_s) z_s^T.
+        normalizer: (B, H, D), n_t = sum_s lambda^(t-s) phi(z_s); None when the attention is unnormalized.
+        seen_tokens: number of tokens folded in (padding included), so `get_seq_length()` gives the position offset
+            of the next token and `get_mask_sizes` the key length of the mask the model builds.
+
+    `keys`/`values` of the base class stay None. `crop` raises (a recurrence cannot be rolled back), so assisted
+    decoding is not available; `reorder_cache` (beam search), `batch_repeat_interleave` and `batch_select_indices`
+    act on the batch dimension.
+    """
+
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: torch.Tensor | None = None
+        self.normalizer: torch.Tensor | None = None
+        self.seen_tokens: int = 0
+        self.device: torch.device | None = None
+
+    def lazy_initialization(self, state: torch.Tensor, normalizer: torch.Tensor | None = None) -> None:
+        self.device = state.device
+        self.is_initialized = True
+
+    def get_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The current (state, normalizer), or (None, None) before the first token."""
+        return self.state, self.normalizer
+
+    def update(
+        self, state: torch.Tensor, normalizer: torch.Tensor | None = None, *args, num_new_tokens: int = 0, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replace the state with the one after `num_new_tokens` more tokens; return (state, normalizer).
+
+        Called through `Cache.update(state, normalizer, layer_idx, num_new_tokens=T)` by the attention layer, which
+        computes the new state from the old one (`get_state`).
+        """
+        if state.dim() != 4 or state.shape[-1] != state.shape[-2]:
+            raise ValueError(f"state must have shape (B, H, D, D); got {tuple(state.shape)}.")
+        if not self.is_initialized:
+            self.lazy_initialization(state, normalizer)
+        self.state, self.normalizer = state, normalizer
+        self.seen_tokens += int(num_new_tokens)
+        return self.state, self.normalizer
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask: all seen tokens plus the new ones, as for a dynamic layer."""
+        return self.seen_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Number of tokens folded into the state (the position of the next token)."""
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        """-1: no maximum length (the state does not grow)."""
+        return -1
+
+    def nbytes(self) -> int:
+        """Bytes held: the state plus the normalizer; independent of the number of tokens seen."""
+        return sum(t.nbytes for t in (self.state, self.normalizer) if t is not None)
+
+    def _map(self, fn) -> None:
+        self.state = fn(self.state) if self.state is not None else None
+        self.normalizer = fn(self.normalizer) if self.normalizer is not None else None
+
+    def offload(self) -> None:
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.state is not None and self.state.device != self.device:
+            self._map(lambda t: t.to(self.device, non_blocking=True))
+
+    def reset(self) -> None:
+        """Forget everything (state dropped, token count 0)."""
+        self.state = self.normalizer = None
+        self.seen_tokens = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: pick the batch rows `beam_idx` of the state."""
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only `crop(0)` is possible: the recurrence folds tokens into S irreversibly (lambda may be 1)."""
+        if tokens_to_remove == 0:
+            return
+        raise ValueError(
+            f"crop({tokens_to_remove}): a linear-attention state cannot be rolled back (tokens are summed into "
+            "S_t = lambda S_(t-1) + phi(z_t) z_t^T), so assisted/speculative decoding is not supported with "
+            "attention_kernel='linear'. Re-run the prefix instead, or copy the cache before the tokens to discard."
+        )
+
+
+def _kept_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """(B, length) bool, True for real tokens among the `length` newest ones; None when nothing is masked."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:  # (B, T_total), 1 = real token
+        keep = attention_mask[:, -length:].bool()
+    elif attention_mask.dim() == 4:  # (B, 1, T_q, T_total); the last query row sees every real key
+        row = attention_mask[:, 0, -1, -length:]
+        keep = row if row.dtype == torch.bool else row == 0
+    else:
+        raise ValueError(
+            f"attention_mask must be 2D (B, T) or 4D (B, 1, T_q, T_kv); got shape {tuple(attention_mask.shape)}."
+        )
+    return None if bool(keep.all()) else keep
+
+
+def linear_attention_chunked(
+    features: torch.Tensor,
+    values: torch.Tensor,
+    query_features: torch.Tensor,
+    state: torch.Tensor | None,
+    normalizer: torch.Tensor | None,
+    decay: float,
+    chunk_size: int,
+    normalize: bool,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The recurrence over T tokens in chunks (all float32).
+
+    Args:
+        features: phi(z) of the tokens written into the state, (B, H, T, D) (zero for padding).
+        values: z of the same tokens, (B, H, T, D) (zero for padding).
+        query_features: phi(z) used for the readout, (B, H, T, D).
+        state, normalizer: the carried (B, H, D, D) and (B, H, D), or None for an empty state.
+    Returns:
+        y (B, H, T, D), the new state, the new normalizer (None when `normalize` is False).
+    """
+    B, H, T, D = features.shape
+    if state is None:
+        state = features.new_zeros(B, H, D, D)
+    if normalize and normalizer is None:
+        normalizer = features.new_zeros(B, H, D)
+    outputs = []
+    for start in range(0, T, chunk_size):
+        f = features[:, :, start : start + chunk_size]  # (B, H, C, D)
+        v = values[:, :, start : start + chunk_size]  # (B, H, C, D)
+        q = query_features[:, :, start : start + chunk_size]  # (B, H, C, D)
+        C = f.shape[2]
+        idx = torch.arange(C, device=f.device)
+        # decay[i, j] = lambda^(i - j) for j <= i, else 0 (causal within the chunk)
+        gaps = (idx[:, None] - idx[None, :]).to(f.dtype)
+        intra = torch.where(gaps >= 0, decay**gaps, torch.zeros_like(gaps))  # (C, C)
+        carry = (decay ** (idx + 1).to(f.dtype))[:, None]  # (C, 1): lambda^(i+1) on the carried state
+        scores = (q @ f.transpose(-1, -2)) * intra  # (B, H, C, C)
+        numerator = scores @ v + carry * (q @ state)  # (B, H, C, D)
+        if normalize:
+            denominator = scores.sum(-1) + carry[:, 0] * (q @ normalizer[..., None])[..., 0]  # (B, H, C)
+            outputs.append(numerator / (denominator[..., None] + eps))
+        else:
+            outputs.append(numerator)
+        # state after the chunk: lambda^C S + sum_j lambda^(C-1-j) phi(z_j) z_j^T
+        tail = decay ** (C - 1 - idx).to(f.dtype)  # (C,)
+        weighted = f * tail[:, None]  # (B, H, C, D)
+        state = decay**C * state + weighted.transpose(-1, -2) @ v
+        if normalize:
+            normalizer = decay**C * normalizer + weighted.sum(2)
+    return torch.cat(outputs, dim=2), state, normalizer
+
+
+class QKVShareLinearAttention(nn.Module):
+    """Causal Q=K=V linear attention (paper appendix A.1) for `attention_kernel="linear"`.
+
+    Args:
+        config: `QKVShareConfig` with `linear_attention_feature_map` ("elu_plus_one" | "relu") and
+            `linear_attention_decay` (lambda in (0, 1]).
+        layer_idx: index of the layer (its slot in the cache).
+        normalize: divide the readout by phi(z_t)^T n_t (default; see the module docstring). False = the paper's
+            formula y_t = phi(z_t)^T S_t exactly.
+        chunk_size: tokens per chunk of the parallel form (memory O(C^2) per head and chunk).
+        eps: added to the normalizer (relu features can give 0).
+
+    Parameters: `k_proj` (hidden -> H * D) and `o_proj` (H * D -> hidden), Llama's names.
+    """
+
+    def __init__(
+        self,
+        config: QKVShareConfig,
+        layer_idx: int,
+        normalize: bool = True,
+        chunk_size: int = 64,
+        eps: float = 1e-6,
+    ):
+        super().__init__()
+        if config.linear_attention_feature_map not in FEATURE_MAPS:
+            raise ValueError(
+                f"linear_attention_feature_map={config.linear_attention_feature_map!r} is not supported; "
+                f"allowed: {', '.join(map(repr, FEATURE_MAPS))}."
+            )
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be a positive integer.")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.decay = float(config.linear_attention_decay)
+        self.feature_map = FEATURE_MAPS[config.linear_attention_feature_map]
+        self.normalize = normalize
+        self.chunk_size = chunk_size
+        self.eps = eps
+        self.is_causal = True
+        self.k_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """hidden_states (B, T, hidden) -> (output (B, T, hidden), None). `position_embeddings` is unused (no RoPE).
+
+        With a cache, the layer's state is read, advanced by the T new tokens and written back; T=1 is the
+        recurrent decode step.
+        """
+        batch, length, _ = hidden_states.shape
+        z = (
+            self.k_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        )  # (B, H, T, D)
+        z = z.float()
+        features = self.feature_map(z)  # (B, H, T, D), phi(z) >= 0
+        written_features, written_values = features, z
+        keep = _kept_tokens(attention_mask, length)
+        if keep is not None:  # padding never enters the state
+            keep = keep[:, None, :, None].to(z.dtype)  # (B, 1, T, 1)
+            written_features, written_values = features * keep, z * keep
+
+        state = normalizer = None
+        if cache is not None:
+            layer = cache.layers[self.layer_idx]
+            if not isinstance(layer, LinearAttentionStateLayer):
+                raise TypeError(
+                    f"attention_kernel='linear' needs a LinearAttentionStateLayer in cache slot {self.layer_idx}, got "
+                    f"{type(layer).__name__}; pass a QKVShareCache(config) (or let the model create one)."
+                )
+            state, normalizer = layer.get_state()
+        y, state, normalizer = linear_attention_chunked(
+            written_features, written_values, features, state, normalizer,
+            self.decay, self.chunk_size, self.normalize, self.eps,
+        )  # fmt: skip
+        if cache is not None:
+            cache.update(state, normalizer, self.layer_idx, num_new_tokens=length)
+
+        y = y.to(hidden_states.dtype).transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        return self.o_proj(y), None
+
+
+__all__ = ["QKVShareLinearAttention", "LinearAttentionStateLayer", "linear_attention_chunked", "FEATURE_MAPS"]

@@ -1,0 +1,498 @@
+"""QKVShare models: Llama-style decoders (or GPT-2-style, or bidirectional encoders) whose attention layers
+share projections as in "Do Transformers Need Three Projections?" (ICML 2026).
+
+Design notes
+- Each attention layer decides in `__init__` which projections exist (Llama's names, so Llama checkpoints
+  load unchanged): "none" q,k,v,o; "qk" (Q=K-V) k,v,o with query = key; "kv" (Q-K=V) q,k,o with
+  value = key; "qkv" (Q=K=V) k,o. A dropped projection is not created: no dead weights.
+- Tied layers hand ONE tensor to `QKVShareCache` (see cache_qkvshare.py). With RoPE the tie is either
+  after rotation (`kv_tie_point="post_rope"`, V is the rotated key) or before (`"pre_rope"`, V is the key
+  projection's output; the cache stores it and keys are rotated on read from the cached positions).
+- The "+" 2D positional encoding of the attention map (paper section 3, m channels, a 1x1 map with weight w
+  and bias b) is exactly S' = S * sum(w) + P.w + b. P[i, j] concatenates a row encoding of i and a column
+  encoding of j, so P.w = row(i).w_r + col(j).w_c: we never build the (n, n, m) tensor, we scale the query
+  by sum(w) and add the (B, 1, q, kv) bias to the attention mask. That works on the eager and sdpa backends,
+  causal or bidirectional, for any length up to max_position_embeddings.
+- RoPE cos/sin, the key positions and the "+" encodings are computed once per forward in the base model.
+- Only single-dot imports of package files: `save_pretrained` copies these files into checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import (
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    repeat_kv,
+    rotate_half,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .cache_qkvshare import QKVShareCache
+from .configuration_qkvshare import QKVShareConfig
+
+# Backends that accept an arbitrary additive float mask (needed by the "+" encoding).
+_BIAS_CAPABLE_BACKENDS = ("eager", "sdpa")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on one tensor (B, H, T, D) with cos/sin (B, T, D); the same formula as Llama's apply_rotary_pos_emb."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def sinusoid(positions: torch.Tensor, channels: int) -> torch.Tensor:
+    """Interleaved sin/cos encoding of positions (...,) -> (..., channels), 1/10000^(2k/channels) frequencies."""
+    pairs = math.ceil(channels / 2)
+    inv_freq = 1.0 / (
+        10000 ** (torch.arange(0, 2 * pairs, 2, device=positions.device, dtype=torch.float32) / (2 * pairs))
+    )
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., pairs)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[..., :channels]
+
+
+def attention_map_encoding(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, dim: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column parts of the paper's 2D encoding P[i, j] = concat(row(i), col(j)) of the attention map.
+
+    Returns `row` (B, q, r) and `col` (B, kv, m - r). Layouts (PAPER.md section 1):
+    - "original" (Borji 2023, `positional-encodings` 2D): ch = ceil(m/4)*2 channels per axis, row block first,
+      truncated to m channels in all (m=10: 6 row + 4 column channels);
+    - "reproduction": first m//2 channels encode the row, the remaining ones the column.
+    """
+    if layout == "original":
+        per_axis = math.ceil(dim / 4) * 2
+        row_dims = min(per_axis, dim)
+        row = sinusoid(query_positions, per_axis)[..., :row_dims]
+        col = sinusoid(key_positions, per_axis)[..., : dim - row_dims]
+    else:
+        row_dims = dim // 2
+        row = sinusoid(query_positions, row_dims)
+        col = sinusoid(key_positions, dim - row_dims)
+    return row, col
+
+
+def add_bias_to_mask(mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor:
+    """Fold an additive score bias (B, 1, q, kv) into a (boolean or additive float) attention mask."""
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, torch.finfo(bias.dtype).min)
+    return bias + mask
+
+
+class QKVSharePlainMLP(nn.Module):
+    """GPT-2-style MLP: up_proj -> activation -> down_proj (Llama's names for the two linears)."""
+
+    def __init__(self, config: QKVShareConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+def make_norm(config: QKVShareConfig) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+class QKVShareAttention(nn.Module):
+    """Multi-head attention whose projections are shared as the layer's mode says (see the module docstring)."""
+
+    def __init__(self, config: QKVShareConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.sharing = config.layer_sharing(layer_idx)
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = config.is_causal
+        # What this layer is, decided once.
+        self.query_is_key = self.sharing in ("qk", "qkv")  # Q=K: symmetric scores
+        self.kv_tied = self.sharing in ("kv", "qkv")  # K=V: one cached tensor
+        self.pre_rope_tie = (
+            self.kv_tied and config.position_embedding_type == "rope" and config.kv_tie_point == "pre_rope"
+        )
+
+        hidden, bias = config.hidden_size, config.attention_bias
+        if not self.query_is_key:
+            self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        if not self.kv_tied:
+            self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
+        # The "+" variants: the paper's 1x1 conv over m channels of the attention map, shared across heads.
+        self.attention_map_pe = nn.Linear(config.attention_map_pe_dim, 1) if config.attention_map_pe_dim else None
+
+    def project(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query, key and value of the new tokens, before any cache. Tied tensors are the same object."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
+        query = (
+            key if self.query_is_key else self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        )  # (B, H, T, D)
+        value = (
+            key if self.kv_tied else self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        )  # (B, H_kv, T, D)
+        if position_embeddings is not None:  # RoPE on query and key; V follows the key only for post-RoPE ties
+            cos, sin = position_embeddings
+            rotated_key = rotate(key, cos, sin)
+            query = rotated_key if self.query_is_key else rotate(query, cos, sin)
+            value = rotated_key if self.kv_tied and not self.pre_rope_tie else value
+            key = rotated_key
+        return query, key, value
+
+    def map_bias(self, map_encoding: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The "+" term P.w + b as a (B, 1, q, kv) score bias."""
+        row, col = map_encoding
+        weight, rows = self.attention_map_pe.weight[0], row.shape[-1]
+        row_term = row.to(weight.dtype) @ weight[:rows]  # (B, q)
+        col_term = col.to(weight.dtype) @ weight[rows:]  # (B, kv)
+        return (row_term[:, :, None] + col_term[:, None, :] + self.attention_map_pe.bias)[:, None]
+
+    def attention_scores(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        map_encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Pre-mask, pre-softmax scores (B, H, T, T) of a full sequence, "+" term included (for analysis/tests)."""
+        query, key, _ = self.project(hidden_states, position_embeddings)
+        scores = query @ repeat_kv(key, self.num_key_value_groups).transpose(2, 3) * self.scaling
+        if self.attention_map_pe is not None:
+            scores = scores * self.attention_map_pe.weight.sum() + self.map_bias(map_encoding)
+        return scores
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        map_encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        query, key, value = self.project(hidden_states, position_embeddings)
+
+        if cache is not None:
+            if self.kv_tied and isinstance(cache, QKVShareCache):
+                # One tensor: the unrotated key (= value) for pre-RoPE ties, else the (rotated) key.
+                stored, _ = cache.update(value if self.pre_rope_tie else key, None, self.layer_idx)
+                key = rotate(stored, *key_position_embeddings) if self.pre_rope_tie else stored
+                value = stored
+            else:  # untied layer, or a foreign cache (e.g. DynamicCache): store key and value
+                key, value = cache.update(key, value, self.layer_idx)
+
+        if self.attention_map_pe is not None:  # S' = S * sum(w) + P.w + b
+            query = query * self.attention_map_pe.weight.sum().to(query.dtype)
+            attention_mask = add_bias_to_mask(attention_mask, self.map_bias(map_encoding).to(query.dtype))
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class QKVShareDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: QKVShareConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        # attention_kernel: "linear" layers (the paper's appendix recurrence) use their own attention module.
+        self.self_attn = QKVShareAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config) if config.mlp_type == "gated" else QKVSharePlainMLP(config)
+        self.input_layernorm = make_norm(config)
+        self.post_attention_layernorm = make_norm(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class QKVSharePreTrainedModel(PreTrainedModel):
+    config: QKVShareConfig
+    config_class = QKVShareConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["QKVShareDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": QKVShareDecoderLayer, "attentions": QKVShareAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, QKVShareAttention) and module.attention_map_pe is not None:
+            weight, bias = module.attention_map_pe.weight, module.attention_map_pe.bias
+            scheme = self.config.attention_map_pe_init
+            if scheme == "unit_scale":  # sum(w) = 1: scores start exactly as without "+"
+                init.constant_(weight, 1.0 / weight.shape[-1])
+            elif scheme == "xavier":  # the original code's init
+                init.xavier_uniform_(weight)
+            else:  # the reproduction's init
+                init.normal_(weight, mean=0.0, std=self.config.initializer_range)
+            init.zeros_(bias)
+
+
+class QKVShareModel(QKVSharePreTrainedModel):
+    """The decoder (or encoder, with `is_causal=False`) stack without a head."""
+
+    def __init__(self, config: QKVShareConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [QKVShareDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = make_norm(config)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.position_embedding_type == "rope" else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _check_inputs(self, position_ids: torch.Tensor) -> None:
+        implementation = self.config._attn_implementation
+        if self.config.attention_map_pe_dim and implementation not in _BIAS_CAPABLE_BACKENDS:
+            raise ValueError(
+                f"attention_map_pe_dim={self.config.attention_map_pe_dim} (the '+' variants) adds a score bias, which "
+                f"the {implementation!r} attention backend cannot take; load the model with "
+                f"attn_implementation='sdpa' or 'eager'."
+            )
+        if self.config.position_embedding_type == "learned" and position_ids.numel():
+            largest = int(position_ids.max())
+            if largest >= self.config.max_position_embeddings:
+                raise ValueError(
+                    f"position {largest} is beyond max_position_embeddings={self.config.max_position_embeddings} of "
+                    "this model's learned position table; use shorter inputs (or a sliding window)."
+                )
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = QKVShareCache(config=self.config)
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        self._check_inputs(position_ids)
+
+        # Positions of every key this forward attends to: cached ones (kept by QKVShareCache) + the new ones.
+        key_position_ids = position_ids
+        if self.config.needs_key_positions:
+            new_positions = position_ids.expand(batch_size, -1)
+            if isinstance(cache, QKVShareCache):
+                key_position_ids = cache.update_positions(new_positions)
+            elif cache is not None:  # foreign cache: assume unpadded positions 0..past-1 for the cached tokens
+                past = torch.arange(past_seen_tokens, device=position_ids.device).expand(batch_size, -1)
+                key_position_ids = torch.cat([past, new_positions], dim=-1)
+
+        hidden_states = inputs_embeds
+        if self.config.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+
+        # The "+" bias is folded into the mask, so the mask must be materialized (no is_causal shortcut).
+        attention_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            allow_is_causal_skip=not self.config.attention_map_pe_dim,
+        )
+        position_embeddings = key_position_embeddings = map_encoding = None
+        if self.rotary_emb is not None:
+            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+            if self.config.needs_key_positions and isinstance(cache, QKVShareCache):
+                key_position_embeddings = self.rotary_emb(hidden_states, position_ids=key_position_ids)
+        if self.config.attention_map_pe_dim:
+            map_encoding = attention_map_encoding(
+                position_ids.expand(batch_size, -1),
+                key_position_ids,
+                self.config.attention_map_pe_dim,
+                self.config.attention_map_pe_layout,
+            )
+
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                key_position_embeddings=key_position_embeddings,
+                map_encoding=map_encoding,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
+    """QKVShare language model. `generate()` uses `QKVShareCache` unless a cache or cache_implementation is given."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: QKVShareConfig):
+        super().__init__(config)
+        self.model = QKVShareModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ) -> None:
+        # transformers would default to DynamicCache (K and V stored separately); ours stores one tensor per tied
+        # layer. An explicit cache or cache_implementation ("dynamic", "static", ...) keeps transformers' choice.
+        if (
+            model_kwargs.get("cache") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation is None
+        ):
+            model_kwargs["cache"] = QKVShareCache(config=self.config)
+            if generation_config.is_assistant:
+                model_kwargs["cache"].activate_past_recording()
+            return
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""Causal LM forward. `labels` (B, T) give the shifted next-token loss (-100 ignored)."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class QKVShareForSequenceClassification(GenericForSequenceClassification, QKVSharePreTrainedModel):
+    """Sequence classification head (last non-pad token, or every token pooled by transformers' rules)."""
+
+
+class QKVShareForTokenClassification(GenericForTokenClassification, QKVSharePreTrainedModel):
+    """Per-token classification head; with `is_causal=False` a bidirectional encoder (the synthetic tasks)."""
+
+
+__all__ = [
+    "QKVShareAttention",
+    "QKVShareDecoderLayer",
+    "QKVSharePreTrainedModel",
+    "QKVShareModel",
+    "QKVShareForCausalLM",
+    "QKVShareForSequenceClassification",
+    "QKVShareForTokenClassification",
+]
