@@ -103,6 +103,13 @@ def add_bias_to_mask(mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Ten
     return bias + mask
 
 
+class AttentionMapPE(nn.Linear):
+    """The "+" variants' 1x1 map from m channels of the attention-map encoding to one score (weight w, bias b)."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim, 1)
+
+
 class QKVSharePlainMLP(nn.Module):
     """GPT-2-style MLP: up_proj -> activation -> down_proj (Llama's names for the two linears)."""
 
@@ -150,7 +157,7 @@ class QKVShareAttention(nn.Module):
             self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
         # The "+" variants: the paper's 1x1 conv over m channels of the attention map, shared across heads.
-        self.attention_map_pe = nn.Linear(config.attention_map_pe_dim, 1) if config.attention_map_pe_dim else None
+        self.attention_map_pe = AttentionMapPE(config.attention_map_pe_dim) if config.attention_map_pe_dim else None
 
     def project(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
@@ -286,17 +293,17 @@ class QKVSharePreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, QKVShareAttention) and module.attention_map_pe is not None:
-            weight, bias = module.attention_map_pe.weight, module.attention_map_pe.bias
-            scheme = self.config.attention_map_pe_init
-            if scheme == "unit_scale":  # sum(w) = 1: scores start exactly as without "+"
-                init.constant_(weight, 1.0 / weight.shape[-1])
-            elif scheme == "xavier":  # the original code's init
-                init.xavier_uniform_(weight)
-            else:  # the reproduction's init
-                init.normal_(weight, mean=0.0, std=self.config.initializer_range)
-            init.zeros_(bias)
+        if not isinstance(module, AttentionMapPE):
+            super()._init_weights(module)
+            return
+        scheme = self.config.attention_map_pe_init
+        if scheme == "unit_scale":  # sum(w) = 1: scores start exactly as without "+"
+            init.constant_(module.weight, 1.0 / module.weight.shape[-1])
+        elif scheme == "xavier":  # the original code's init
+            init.xavier_uniform_(module.weight)
+        else:  # the reproduction's init
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        init.zeros_(module.bias)
 
 
 class QKVShareModel(QKVSharePreTrainedModel):
