@@ -154,7 +154,11 @@ def main() -> None:
             ctx = context[:, :length]
             medians = interleaved_medians(
                 {
-                    label: (lambda m=m: decode_seconds_per_token(m, ctx, args.new_tokens, QKVShareCache(m.config), device))
+                    label: (
+                        lambda m=m, c=ctx: decode_seconds_per_token(
+                            m, c, args.new_tokens, QKVShareCache(m.config), device
+                        )
+                    )
                     for label, m in models.items()
                 },
                 args.reps,

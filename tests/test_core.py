@@ -308,6 +308,18 @@ def test_eager_and_sdpa_agree_on_outputs_and_gradients(variant, causal):
     )
 
 
+@pytest.mark.parametrize("variant", ["Q-MQA"])
+def test_flex_attention_backend_matches_sdpa(variant):
+    # FlexAttention runs forward-only on CPU; on GPU it trains too.
+    sdpa, flex = model_for(tiny(variant), "sdpa"), model_for(tiny(variant), "flex_attention")
+    flex.load_state_dict(sdpa.state_dict())
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(flex(ids).logits, sdpa(ids).logits, rtol=0, atol=1e-5)
+        kwargs = dict(max_new_tokens=6, do_sample=False)
+        assert torch.equal(flex.generate(ids[:, :4], **kwargs), sdpa.generate(ids[:, :4], **kwargs))
+
+
 def test_activation_checkpointing_gives_same_gradients():
     model = model_for(tiny("Q-K=V", kv_tie_point="pre_rope")).train()
     ids = torch.randint(0, VOCAB, (2, 10))
@@ -339,8 +351,7 @@ def test_bf16_decoding_close_to_full_forward():
 
 
 def test_plus_variant_refuses_backends_without_bias():
-    model = model_for(tiny("(Q=K=V)+"))
-    model.config._attn_implementation = "flash_attention_2"
+    model = model_for(tiny("(Q=K=V)+"), "flex_attention")
     with pytest.raises(ValueError, match="attn_implementation='sdpa' or 'eager'"):
         model(torch.randint(0, VOCAB, (1, 4)))
 
