@@ -1,0 +1,11 @@
+"""Evaluation of QKVShare (and any Hugging Face causal LM) checkpoints.
+
+- `harness`: `qkvshare eval`, lm-evaluation-harness's official 5-shot suite (HellaSwag, PIQA, ARC-Easy,
+  ARC-Challenge, WinoGrande) on several models, lm-eval's JSON per model and the paper's side-by-side table.
+- `perplexity`: `qkvshare perplexity`, token-weighted perplexity on packed held-out text, sliding window.
+- `tasks`: the five tasks' splits and row schemas, the local-data checks and the offline group YAML.
+- `table`: the markdown table. `common`: model checks and loading, KV-cache bytes per token.
+- `fixtures/`: a small set of each task in the official schemas, written for this project (tests, offline demo).
+
+Submodules are imported on use, so `import qkvshare.evaluation` does not import lm-eval.
+"""
