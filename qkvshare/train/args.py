@@ -1,0 +1,236 @@
+"""Command-line and YAML arguments of `qkvshare train`, as typed dataclasses.
+
+Design notes
+- Flag names follow transformers' `run_clm.py` / `TrainingArguments` wherever one exists (`--output_dir`,
+  `--per_device_train_batch_size`, `--block_size`, `--config_overrides`, `--save_total_limit`, ...), so the
+  command reads like any Hugging Face training script. QKVShare adds `--preset` and `--variant`.
+- A YAML file can hold any of the flags (`qkvshare train recipe.yaml --max_steps 10`): its values become the
+  parser's defaults, so flags given on the command line win. Unknown YAML keys are an error, not ignored.
+- `check_args` validates everything that needs no data or model, so bad input fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class TrainingSetupError(ValueError):
+    """Bad input found before training starts; the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class ModelArguments:
+    """Which model to build."""
+
+    preset: str = field(
+        default="tiny", metadata={"help": "model preset: tiny, small, paper-300m, paper-1.2b, llama-300m, llama-1.2b"}
+    )
+    variant: str | None = field(
+        default=None,
+        metadata={
+            "help": "paper variant: QKV, Q=K-V, Q-K=V (QV), Q=K=V, (Q=K-V)+, (Q=K=V)+, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA"
+        },
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": "config field overrides, run_clm style: 'hidden_size=128,num_hidden_layers=2' (YAML: a mapping)"
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={"help": "HF tokenizer name or path; default: train a byte-level BPE on the training data"},
+    )
+    tokenizer_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "vocab size of the trained BPE (default: the preset's vocab size, at least 320)"},
+    )
+    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa (default) or eager"})
+
+
+@dataclass
+class DataArguments:
+    """Where the text comes from and how it is cut into blocks."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "HF dataset name; default (with no --train_file): the Python stdlib sources"}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "HF dataset config name"})
+    train_file: str | None = field(
+        default=None, metadata={"help": "local .txt, .jsonl/.json or .parquet training file"}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "local validation file (same formats)"})
+    text_column: str = field(default="text", metadata={"help": "column that holds the documents"})
+    streaming: bool = field(default=False, metadata={"help": "stream the HF dataset (for SlimPajama, FineWeb-Edu)"})
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "percent of documents held out for validation when there is no validation split"}
+    )
+    streaming_validation_documents: int = field(
+        default=1000, metadata={"help": "documents held out for validation when streaming without a validation split"}
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "tokens per training block (default: min(1024, max_position_embeddings))"}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training blocks"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many validation blocks"})
+
+
+@dataclass
+class TrainArguments:
+    """The optimisation loop, logging and checkpoints (names from `TrainingArguments`)."""
+
+    output_dir: str | None = field(default=None, metadata={"help": "where the model, checkpoints and logs go"})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a run already in --output_dir"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "blocks per device per micro-step"})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "blocks per device in validation"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decays to this fraction of the peak LR"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only by default)"})
+    decay_norms_biases_embeddings: bool = field(
+        default=False, metadata={"help": "also apply weight decay to norms, biases and embeddings"}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 turns it off)"})
+    seed: int = field(default=42, metadata={"help": "seed of init, data order and sampling"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision"})
+    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (with loss scaling)"})
+    use_cpu: bool = field(default=False, metadata={"help": "train on CPU even if a GPU is present (gloo for 2+ ranks)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    logging_steps: int = field(default=10, metadata={"help": "log loss, lr, tokens/s and MFU every N steps"})
+    eval_steps: int = field(default=100, metadata={"help": "validation loss/perplexity every N steps (and at the end)"})
+    save_steps: int = field(default=500, metadata={"help": "checkpoint every N steps (0: never)"})
+    save_total_limit: int | None = field(default=2, metadata={"help": "keep at most N checkpoints (None: all)"})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "checkpoint directory, or 'latest' (newest under output_dir/checkpoints)"}
+    )
+    report_to: str = field(
+        default="tensorboard", metadata={"help": "trackers, comma separated: tensorboard, wandb, none"}
+    )
+    run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
+    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
+    peak_tflops: float | None = field(
+        default=None, metadata={"help": "peak TFLOP/s of one device for MFU (default: known GPUs; CPU: no MFU)"}
+    )
+    sample_prompt: str = field(default="def ", metadata={"help": "prompt of the sample generated at the end"})
+    sample_max_new_tokens: int = field(default=64, metadata={"help": "tokens of the final sample (0: none)"})
+    push_to_hub: bool = field(default=False, metadata={"help": "upload the final model directory"})
+    hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
+    hub_private_repo: bool = field(default=False, metadata={"help": "create the hub repo as private"})
+
+
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
+
+
+@dataclass
+class Arguments:
+    """All arguments of one run."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainArguments
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat dict of every flag (what `training_args.json` holds)."""
+        return {**dataclasses.asdict(self.model), **dataclasses.asdict(self.data), **dataclasses.asdict(self.train)}
+
+
+def _field_names() -> set[str]:
+    return {f.name for cls in ARGUMENT_CLASSES for f in dataclasses.fields(cls)}
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a recipe; keys are flag names. `config_overrides` may be a mapping."""
+    if not Path(path).is_file():
+        raise TrainingSetupError(f"recipe {path!r} does not exist; pass the path of a YAML file (see configs/).")
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise TrainingSetupError(f"recipe {path!r} must be a mapping of flag names to values.")
+    unknown = sorted(set(values) - _field_names())
+    if unknown:
+        raise TrainingSetupError(
+            f"recipe {path!r} has unknown keys {unknown}; the keys are the flags of `qkvshare train --help`."
+        )
+    if isinstance(values.get("config_overrides"), dict):
+        values["config_overrides"] = ",".join(f"{k}={v}" for k, v in values["config_overrides"].items())
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> Arguments:
+    """Parse `[recipe.yaml] [--flag value ...]`: flags override the recipe."""
+    argv = list(argv or [])
+    parser = HfArgumentParser(ARGUMENT_CLASSES, prog="qkvshare train", description="Pretrain a QKVShare model.")
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        parser.set_defaults(**load_yaml(argv.pop(0)))
+    model, data, train = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    return Arguments(model, data, train)
+
+
+def parse_config_overrides(text: str | None) -> dict[str, Any]:
+    """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`."""
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise TrainingSetupError(
+                f"--config_overrides item {item!r} is not key=value; write e.g. 'hidden_size=128,num_hidden_layers=2'."
+            )
+        overrides[key.strip()] = yaml.safe_load(value.strip())  # YAML scalars: ints, floats, booleans, null
+    return overrides
+
+
+def check_args(args: Arguments) -> None:
+    """Checks that need no data or model. Raises `TrainingSetupError` with a how-to-fix message."""
+    d, t = args.data, args.train
+    if not t.output_dir:
+        raise TrainingSetupError("--output_dir is required: the directory that receives the model and checkpoints.")
+    if d.dataset_name and d.train_file:
+        raise TrainingSetupError("give either --dataset_name or --train_file, not both.")
+    if d.validation_file and not d.train_file:
+        raise TrainingSetupError(
+            "--validation_file needs --train_file (the embedded and hub corpora split themselves)."
+        )
+    for name in ("train_file", "validation_file"):
+        path = getattr(d, name)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise TrainingSetupError(f"--{name} {path!r} does not exist; check the path.")
+        if not path.endswith((".txt", ".text", ".json", ".jsonl", ".parquet")):
+            raise TrainingSetupError(f"--{name} {path!r}: use a .txt, .jsonl/.json or .parquet file.")
+        if os.path.getsize(path) == 0:
+            raise TrainingSetupError(f"--{name} {path!r} is empty; point it at a file with text in it.")
+    if d.streaming and not d.dataset_name:
+        raise TrainingSetupError(
+            "--streaming applies to --dataset_name only; local and embedded corpora load in memory."
+        )
+    if not 0 < d.validation_split_percentage < 100:
+        raise TrainingSetupError("--validation_split_percentage must be between 1 and 99.")
+    if d.block_size is not None and d.block_size < 2:
+        raise TrainingSetupError(f"--block_size {d.block_size} is too small; use at least 2 tokens.")
+    positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "logging_steps", "eval_steps")  # fmt: skip
+    for name in positive:
+        if getattr(t, name) < 1:
+            raise TrainingSetupError(f"--{name} must be at least 1, got {getattr(t, name)}.")
+    if t.save_steps < 0 or (t.save_total_limit is not None and t.save_total_limit < 1):
+        raise TrainingSetupError("--save_steps must be >= 0 and --save_total_limit >= 1 (or None for no limit).")
+    if t.warmup_steps < 0 or t.learning_rate <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise TrainingSetupError("need --warmup_steps >= 0, --learning_rate > 0 and 0 <= --min_lr_ratio <= 1.")
+    if t.bf16 and t.fp16:
+        raise TrainingSetupError("choose one of --bf16 and --fp16.")
+    if t.push_to_hub and not t.hub_model_id:
+        raise TrainingSetupError("--push_to_hub needs --hub_model_id (e.g. your-name/qkvshare-small).")
+    parse_config_overrides(args.model.config_overrides)

@@ -1,0 +1,375 @@
+"""Tests of `qkvshare train` (issue 3): schedule, packing, a real tiny run, two gloo ranks, kill-and-resume,
+non-finite loss and every bad input. Tiny preset, fp32, CPU; the corpus is a few stdlib modules as jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import qkvshare  # noqa: F401  (registers the Auto classes)
+from qkvshare.train.args import TrainingSetupError, parse_args
+from qkvshare.train.checkpoint import list_checkpoints, read_state
+from qkvshare.train.data import BlockSchedule, PackedBlocks, is_validation_file, stdlib_corpus, tokenize_documents
+from qkvshare.train.model import build_config
+from qkvshare.train.pretrain import main, setup
+from qkvshare.train.schedule import get_lr
+from qkvshare.train.tokenizer import train_bpe_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    """~60 kB of real documents (stdlib modules), one per jsonl row: fast to tokenize, learnable."""
+    import json as json_module
+
+    root = Path(json_module.__file__).parent.parent
+    docs = [(root / name).read_text() for name in ("bisect.py", "colorsys.py", "keyword.py", "heapq.py", "shlex.py",
+                                                   "textwrap.py", "fnmatch.py", "glob.py", "string.py")]  # fmt: skip
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def tiny_argv(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--train_file", str(corpus), "--output_dir", str(out), "--use_cpu", "true",
+            "--validation_split_percentage", "20", "--block_size", "32", "--per_device_train_batch_size", "4",
+            "--learning_rate", "3e-3", "--warmup_steps", "2", "--logging_steps", "2", "--eval_steps", "100",
+            "--max_eval_samples", "8", "--report_to", "none", "--disable_tqdm", "true",
+            "--sample_max_new_tokens", "0", *extra]  # fmt: skip
+
+
+def run_losses(argv: list[str]) -> tuple[int, list[float]]:
+    losses: list[float] = []
+    rc = main(argv, on_step=lambda step, loss, model: losses.append(loss))
+    return rc, losses
+
+
+# --------------------------------------------------------------------------------------------------------------
+def test_lr_schedule_values():
+    kw = dict(peak_lr=1e-3, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert get_lr(0, **kw) == pytest.approx(1e-4)
+    assert get_lr(4, **kw) == pytest.approx(5e-4)
+    assert get_lr(9, **kw) == pytest.approx(1e-3)
+    assert get_lr(10, **kw) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert get_lr(60, **kw) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway: the midpoint of peak and floor
+    assert get_lr(35, **kw) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.25)))
+    assert get_lr(110, **kw) == pytest.approx(1e-4)  # floor: 10% of the peak
+    assert get_lr(500, **kw) == pytest.approx(1e-4)
+    assert get_lr(0, peak_lr=2e-4, warmup_steps=0, max_steps=100) == pytest.approx(2e-4)
+
+
+def test_packing_uses_every_token_once_without_padding():
+    docs = [f"document {i} " + "word " * (i % 7 + 1) for i in range(200)]
+    tok = train_bpe_tokenizer(docs, 320)
+    tokens = tokenize_documents(tok, docs)
+    per_doc = [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in docs]
+    np.testing.assert_array_equal(tokens, np.concatenate(per_doc))  # docs joined by EOS, nothing inserted
+    assert int((tokens == tok.eos_token_id).sum()) == len(docs)
+    T = 16
+    blocks = PackedBlocks(tokens, T)
+    n = len(blocks)
+    assert n == (len(tokens) - 1) // T and len(tokens) - 1 - n * T < T  # only a tail shorter than a block is dropped
+    # Two ranks x 2 micro-steps x batch 3 over one epoch: every block exactly once, and every target token once.
+    seen = []
+    steps = n // 12
+    for rank in range(2):
+        sched = BlockSchedule(n, seed=7, per_device_batch=3, accumulation=2, world_size=2, rank=rank)
+        seen += [i for s in range(steps) for m in range(2) for i in sched.indices(s, m)]
+    assert len(seen) == len(set(seen)) == steps * 12
+    full = BlockSchedule(n, seed=7, per_device_batch=n, accumulation=1, world_size=1, rank=0)
+    assert sorted(full.indices(0, 0)) == list(range(n))
+    stacked = blocks.stack(sorted(full.indices(0, 0)))
+    assert stacked.shape == (n, T + 1)  # every block full length: nothing to pad
+    targets = stacked[:, 1:].reshape(-1)
+    torch.testing.assert_close(targets, torch.from_numpy(tokens[1 : n * T + 1]).long(), rtol=0, atol=0)
+    # The next epoch is another order of the same blocks.
+    assert full.indices(1, 0) != full.indices(0, 0) and sorted(full.indices(1, 0)) == list(range(n))
+
+
+def test_embedded_corpus_split_is_deterministic_and_disjoint():
+    a, b = stdlib_corpus(5), stdlib_corpus(5)
+    assert a.train == b.train and a.validation == b.validation
+    assert len(a.train) > 300 and 10 < len(a.validation) < len(a.train) // 10
+    assert not set(a.train) & set(a.validation)
+    assert is_validation_file("json/decoder.py", 5) == is_validation_file("json/decoder.py", 5)
+
+
+def test_hub_style_dataset_in_memory_and_streaming(tmp_path):
+    """`--dataset_name` (a local dataset directory stands in for the hub), in memory and streamed per rank."""
+    from qkvshare.train.args import DataArguments
+    from qkvshare.train.data import StreamingTrainData, load_corpus
+
+    docs = [f"doc {i}: " + "alpha beta gamma " * (i % 5 + 1) + f"end {i}" for i in range(40)]
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    in_memory = load_corpus(DataArguments(dataset_name=str(tmp_path / "ds")))
+    assert in_memory.validation == docs[:2] and in_memory.train == docs[2:]  # run_clm's split: first 5%
+
+    args = DataArguments(dataset_name=str(tmp_path / "ds"), streaming=True, streaming_validation_documents=5)
+    corpus = load_corpus(args, rank=0, world_size=1, seed=3)
+    assert corpus.streaming and corpus.validation == docs[:5]
+    shards = [[row["text"] for row in load_corpus(args, rank=r, world_size=2, seed=3).train] for r in range(2)]
+    assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == sorted(docs[5:])
+
+    tok = train_bpe_tokenizer(docs, 320)
+    stream = StreamingTrainData(corpus.train, tok, "text", 16, per_device_batch=2, accumulation=2)
+    batches = [stream.batch(s, m) for s in range(3) for m in range(2)]
+    blocks = torch.cat(batches)
+    assert blocks.shape == (12, 17)
+    corpus.train.set_epoch(0)
+    expected = tokenize_documents(tok, [row["text"] for row in corpus.train])
+    torch.testing.assert_close(blocks[:, 1:].reshape(-1), torch.from_numpy(expected[1 : 12 * 16 + 1]).long())
+    resumed = StreamingTrainData(corpus.train, tok, "text", 16, per_device_batch=2, accumulation=2)
+    assert torch.equal(resumed.batch(2, 0), batches[4])  # resume at step 2 reads what step 2 read
+
+
+def test_recipes_parse_and_build():
+    recipes = sorted((REPO / "configs").rglob("*.yaml"))
+    recipes = [p for p in recipes if p.parent.name != "accelerate"]
+    assert len(recipes) == 2 + 8 + 6
+    for path in recipes:
+        args = parse_args([str(path)])
+        config = build_config(args.model.preset, args.model.variant, {})
+        if args.model.preset.startswith("paper"):
+            assert config.variant == path.stem
+            global_tokens = 8 * args.train.per_device_train_batch_size * args.train.gradient_accumulation_steps * 2048
+            assert global_tokens * args.train.max_steps >= 10e9  # the paper's 10B tokens
+            assert args.train.bf16 and args.train.adam_beta2 == 0.95 and args.train.weight_decay == 0.1
+    small = parse_args([str(REPO / "configs/cpu-small.yaml"), "--max_steps", "7"])
+    assert small.train.max_steps == 7 and small.model.variant == "Q-K=V" and small.model.preset == "small"
+
+
+# --------------------------------------------------------------------------------------------------------------
+def test_tiny_run_lowers_loss_and_saves_loadable_model(corpus_file, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    rc, losses = run_losses(tiny_argv(corpus_file, out, "--max_steps", "30", "--variant", "Q-K=V",
+                                      "--sample_max_new_tokens", "8", "--peak_tflops", "0.5"))  # fmt: skip
+    assert rc == 0 and len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # from ~ln(320)=5.8 down by more than a nat
+    metrics = json.loads((out / "final_metrics.json").read_text())
+    assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]))
+    assert metrics["val_tokens"] == 8 * 32 and metrics["kv_cache_bytes_per_token"] * 2 == metrics[
+        "qkv_kv_cache_bytes_per_token"]  # fmt: skip
+    # PaLM's count: 6 x parameters (tied head = embedding) + 12 x layers x heads x head_dim x T
+    assert metrics["flops_per_token"] == 6 * metrics["parameters"] + 12 * 2 * 4 * 16 * 32
+    assert metrics["mfu"] == pytest.approx(metrics["tokens_per_second"] * metrics["flops_per_token"] / 0.5e12)
+    printed = capsys.readouterr().out
+    assert "validation perplexity" in printed and "50.0% smaller" in printed and "sample:" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_qkvshare.QKVShareForCausalLM"
+    assert config["vocab_size"] % 64 == 0 and config["projection_sharing"] == "kv"
+    assert (out / "model.safetensors").is_file() and (out / "modeling_qkvshare.py").is_file()
+    saved_args = json.loads((out / "training_args.json").read_text())
+    assert saved_args["block_size"] == 32 and saved_args["num_processes"] == 1 and saved_args["variant"] == "Q-K=V"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) <= model.config.vocab_size
+    ids = tok("def ", return_tensors="pt").input_ids
+    gen = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert gen.shape == (1, ids.shape[1] + 6)
+    # The saved weights reproduce the final validation loss.
+    from qkvshare.train.data import load_corpus
+
+    val = PackedBlocks(
+        tokenize_documents(tok, load_corpus(parse_args(tiny_argv(corpus_file, out)).data).validation), 32, 8
+    )
+    with torch.no_grad():
+        logits = model(val.stack(list(range(8)))[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), val.stack(list(range(8)))[:, 1:].flatten())
+    assert loss.item() == pytest.approx(metrics["val_loss"], rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from safetensors.torch import save_file
+    from qkvshare.train.args import parse_args
+    from qkvshare.train.pretrain import setup, train_step
+
+    def capture(args_list, out_prefix):
+        run = setup(parse_args(args_list))
+        grads, losses = {}, []
+        def hook(opt, *a, **k):  # runs inside optimizer.step: gradients after the DDP all-reduce
+            for name, p in run.accelerator.unwrap_model(run.model).named_parameters():
+                grads[f"{len(losses)}.{name}"] = p.grad.detach().clone()
+        run.optimizer.optimizer.register_step_pre_hook(hook)
+        for step in range(2):
+            losses.append(train_step(run, step)[0])
+        if run.accelerator.is_main_process:
+            save_file(grads, out_prefix + ".safetensors")
+            json.dump({"losses": losses, "num_processes": run.accelerator.num_processes,
+                       "distributed_type": str(run.accelerator.distributed_type)}, open(out_prefix + ".json", "w"))
+
+    capture(sys.argv[2:], sys.argv[1])
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_match_one_process(corpus_file, tmp_path):
+    script = tmp_path / "ddp_capture.py"
+    script.write_text(DDP_SCRIPT)
+    common = ["--max_steps", "2", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0", "--save_steps", "0"]
+    two = tiny_argv(corpus_file, tmp_path / "two", "--per_device_train_batch_size", "2", *common)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(script), str(tmp_path / "two_ranks"), *two]  # fmt: skip
+    proc = subprocess.run(cmd, env=ENV | {"ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = tiny_argv(corpus_file, tmp_path / "one", "--per_device_train_batch_size", "4", *common)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "one_rank"), *one], env=ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = json.loads((tmp_path / "two_ranks.json").read_text()), json.loads((tmp_path / "one_rank.json").read_text())
+    assert a["num_processes"] == 2 and "MULTI" in a["distributed_type"] and b["num_processes"] == 1
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    ga, gb = load_file(tmp_path / "two_ranks.safetensors"), load_file(tmp_path / "one_rank.safetensors")
+    assert set(ga) == set(gb) and len(ga) > 10
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from qkvshare.train.pretrain import main
+
+    log = open(sys.argv[1], "w")
+    def on_step(step, loss, model):
+        log.write(json.dumps([step, loss]) + "\\n"); log.flush()
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(main(sys.argv[2:], on_step=on_step))
+    """
+)
+
+
+def test_sigkill_then_resume_reproduces_uninterrupted_losses(corpus_file, tmp_path):
+    common = ["--max_steps", "9", "--save_steps", "4", "--gradient_accumulation_steps", "2"]
+    rc, reference = run_losses(tiny_argv(corpus_file, tmp_path / "ref", *common))
+    assert rc == 0 and len(reference) == 9
+    script, log = tmp_path / "kill.py", tmp_path / "killed.jsonl"
+    script.write_text(KILL_SCRIPT)
+    killed_dir = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, str(script), str(log), *tiny_argv(corpus_file, killed_dir, *common)],
+                          env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    before = [loss for _, loss in map(json.loads, log.read_text().splitlines())]
+    assert before == pytest.approx(reference[:6], rel=1e-5)  # same run up to the kill (other thread count)
+    assert [p.name for p in list_checkpoints(killed_dir)] == ["checkpoint-4"]
+    (killed_dir / "checkpoints" / ".tmp-checkpoint-8").mkdir()  # a save that crashed midway is ignored
+    rc, after = run_losses(tiny_argv(corpus_file, killed_dir, *common, "--resume_from_checkpoint", "latest"))
+    assert rc == 0
+    assert after == reference[4:]  # steps 5..9, bit for bit
+    ref_w = load_file(tmp_path / "ref" / "model.safetensors")
+    new_w = load_file(killed_dir / "model.safetensors")
+    assert all(torch.equal(ref_w[k], new_w[k]) for k in ref_w)
+    assert read_state(list_checkpoints(killed_dir)[-1])["step"] == 8
+    assert not (killed_dir / "checkpoints" / ".tmp-checkpoint-8").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(corpus_file, tmp_path, capsys):
+    def poison(step, loss, model):
+        if step == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+
+    out = tmp_path / "nan"
+    rc = main(tiny_argv(corpus_file, out, "--max_steps", "6", "--save_steps", "2"), on_step=poison)
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "loss became nan at step 3" in err and "checkpoint-2" in err and "--learning_rate" in err
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
+    weights = load_file(out / "checkpoints" / "checkpoint-2" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not (out / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(corpus_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(tiny_argv(corpus_file, out, "--max_steps", "2", "--save_steps", "2")) == 0
+    return out
+
+
+def _bad_inputs(corpus: Path, tmp: Path, finished: Path) -> dict[str, tuple[list[str], str]]:
+    empty = tmp / "empty.jsonl"
+    empty.write_text(json.dumps({"text": "   "}) + "\n")
+    new = tmp / "new"
+    return {
+        "missing dataset": (tiny_argv(tmp / "nope.jsonl", new), "does not exist"),
+        "empty dataset": (tiny_argv(empty, new), "has no documents"),
+        "unknown hub dataset": (["--preset", "tiny", "--dataset_name", "someone/no_such_dataset", "--output_dir",
+                                 str(new), "--use_cpu", "true", "--report_to", "none"], "could not load dataset"),
+        "unknown preset": (tiny_argv(corpus, new, "--preset", "huge"), "preset='huge' is not a known preset"),
+        "unknown variant": (tiny_argv(corpus, new, "--variant", "QQ"), "variant='QQ' is not a known variant"),
+        "tokenizer above vocab": (tiny_argv(corpus, new, "--config_overrides", "vocab_size=64"),
+                                  "tokenizer has 320 tokens but vocab_size=64"),
+        "block above positions": (tiny_argv(corpus, new, "--block_size", "256"),
+                                  "--block_size 256 exceeds the model's max_position_embeddings=128"),
+        "output dir holds a run": (tiny_argv(corpus, finished), "already holds another run"),
+        "incompatible checkpoint": (tiny_argv(corpus, finished, "--variant", "Q=K=V", "--resume_from_checkpoint",
+                                              "latest"), "incompatible run:\n  model projection_sharing"),
+        "no checkpoint to resume": (tiny_argv(corpus, new, "--resume_from_checkpoint", "latest"),
+                                    "no complete checkpoint"),
+        "bf16 and fp16": (tiny_argv(corpus, new, "--bf16", "true", "--fp16", "true"), "choose one of --bf16"),
+        "bad override": (tiny_argv(corpus, new, "--config_overrides", "hidden_size"), "is not key=value"),
+    }  # fmt: skip
+
+
+BAD_CASES = ["missing dataset", "empty dataset", "unknown hub dataset", "unknown preset", "unknown variant", "tokenizer above vocab",
+             "block above positions", "output dir holds a run", "incompatible checkpoint", "no checkpoint to resume",
+             "bf16 and fp16", "bad override"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_fails_before_training(case, corpus_file, finished_run, tmp_path, capsys):
+    argv, message = _bad_inputs(corpus_file, tmp_path, finished_run)[case]
+    before = sorted(p.name for p in finished_run.rglob("*"))
+    rc = main(argv, on_step=lambda *a: pytest.fail("training started"))
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "new" / "checkpoints").exists()
+    assert sorted(p.name for p in finished_run.rglob("*")) == before  # the finished run is untouched
+
+
+def test_cli_dispatches_train(corpus_file, tmp_path, capsys):
+    from qkvshare.cli import main as cli_main
+
+    assert cli_main(["train", *tiny_argv(corpus_file, tmp_path / "cli", "--variant", "Q-GQA-3")]) == 2
+    assert "3 key/value heads must divide num_attention_heads=4" in capsys.readouterr().err
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("preset: tiny\nlearning_rat: 0.1\n")
+    with pytest.raises(TrainingSetupError, match=r"unknown keys \['learning_rat'\]"):
+        parse_args([str(recipe)])
+    with pytest.raises(TrainingSetupError, match="required"):
+        setup(parse_args(["--preset", "tiny"]))
