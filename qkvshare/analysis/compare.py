@@ -1,0 +1,259 @@
+"""`qkvshare compare`: pretrain several variants identically, then tabulate them as the paper's LM table.
+
+Design notes
+- Every variant is trained by the real entry point, `qkvshare.train.pretrain.main(argv)`, in this process, with
+  the same flags: preset, data, block size, batch, steps, learning rate, seed (so the same initialisation seed and
+  the same data order, which the trainer makes a pure function of the seed and step). Only `--variant` differs.
+- The first variant trains the BPE tokenizer (unless `--tokenizer_name` is passed through); every later variant
+  loads it from the first one's directory, so all see exactly the same token stream.
+- Layout: `<output_dir>/runs/<variant>/` is the trainer's output directory (model, checkpoints, final_metrics.json);
+  `<output_dir>/logs/<variant>.jsonl` holds the per-step training loss and time (from the trainer's `on_step`
+  hook); `<output_dir>/compare_settings.json` records the shared flags.
+- Resumable per variant: a finished variant (final_metrics.json present) is skipped; one with checkpoints resumes
+  from the latest (`--resume_from_checkpoint latest`, exact: the trainer restores data position and RNG); one that
+  died before its first checkpoint restarts. Rerunning with different shared flags is refused.
+- Training tokens/s is the median over logged steps of tokens per step / step time (wall clock). Variants run one
+  after the other, so on a shared machine load from other processes shows in it; the table also gives tokens per
+  CPU-second of this process (summed over its threads), which such load barely moves. `qkvshare bench --sections
+  train` measures training throughput with interleaved repetitions instead.
+- Unknown flags are passed to the trainer verbatim (e.g. `--train_file`, `--config_overrides`, `--max_eval_samples`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qkvshare.analysis.common import default_variants, known_presets, markdown_table, slug
+from qkvshare.analysis.plotting import line_plot
+from qkvshare.configuration_qkvshare import QKVShareConfig
+
+# Sized for about 30 minutes on 2 otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256
+# tokens (1.02M tokens) per variant. The `small` preset trained at about 6k tokens/s on 2 idle cores here (0.08 s
+# per 512-token step), so about 3 minutes per variant, plus half a minute of tokenization each.
+DEFAULTS = dict(preset="small", max_steps=500, per_device_train_batch_size=8, block_size=256, learning_rate=1e-3,
+                warmup_steps=50, seed=0, eval_steps=500, save_steps=100, max_eval_samples=200)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qkvshare compare",
+        description="Pretrain variants with identical data, tokens and seed and print the paper's LM table. "
+        "Unknown flags go to `qkvshare train` unchanged.",
+        allow_abbrev=False,  # a trainer flag must never be taken for a prefix of one of ours
+    )
+    p.add_argument("--variants", nargs="*", help="default: QKV, Q-K=V, Q=K-V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
+    p.add_argument("--output_dir", default="outputs/compare")
+    p.add_argument("--preset", default=DEFAULTS["preset"], help=f"model preset ({known_presets()})")
+    p.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"])
+    p.add_argument("--per_device_train_batch_size", type=int, default=DEFAULTS["per_device_train_batch_size"])
+    p.add_argument("--block_size", type=int, default=DEFAULTS["block_size"])
+    p.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
+    p.add_argument("--warmup_steps", type=int, default=DEFAULTS["warmup_steps"])
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--eval_steps", type=int, default=DEFAULTS["eval_steps"])
+    p.add_argument("--save_steps", type=int, default=DEFAULTS["save_steps"], help="checkpoint period (resume unit)")
+    p.add_argument("--max_eval_samples", type=int, default=DEFAULTS["max_eval_samples"],
+                   help="validation blocks (the same for every variant)")  # fmt: skip
+    p.add_argument("--table_only", action="store_true", help="do not train; tabulate the finished variants")
+    return p
+
+
+def shared_train_args(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The trainer flags every variant gets (everything except --output_dir, --variant and the tokenizer)."""
+    argv = ["--preset", args.preset, "--max_steps", str(args.max_steps),
+            "--per_device_train_batch_size", str(args.per_device_train_batch_size), "--block_size", str(args.block_size),
+            "--learning_rate", str(args.learning_rate), "--warmup_steps", str(args.warmup_steps), "--seed", str(args.seed),
+            "--eval_steps", str(args.eval_steps), "--save_steps", str(args.save_steps),
+            "--max_eval_samples", str(args.max_eval_samples), "--logging_steps", "1", "--report_to", "none",
+            "--sample_max_new_tokens", "0"]  # fmt: skip
+    return argv + passthrough
+
+
+def check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
+    """Record the shared flags; refuse to extend a comparison made with other ones."""
+    path = output_dir / "compare_settings.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old["train_args"] != settings["train_args"]:
+            raise ValueError(
+                f"{output_dir} holds a comparison trained with other flags ({' '.join(old['train_args'])}); "
+                "use a new --output_dir, or the same flags to resume it."
+            )
+        settings = old | {"variants": list(dict.fromkeys(old["variants"] + settings["variants"]))}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any((p / "trainer_state.json").is_file() for p in root.glob("checkpoint-*"))
+
+
+def train_variant(variant: str, run_dir: Path, log_path: Path, train_args: list[str], tokenizer: str | None) -> int:
+    """Train (or resume, or skip) one variant; returns the trainer's exit status."""
+    from qkvshare.train.pretrain import main as pretrain_main
+
+    if (run_dir / "final_metrics.json").is_file():
+        print(f"compare: {variant} already finished ({run_dir}); skipping", flush=True)
+        return 0
+    argv = [*train_args, "--output_dir", str(run_dir), "--variant", variant]
+    if _has_checkpoint(run_dir):
+        argv += ["--resume_from_checkpoint", "latest"]
+        print(f"compare: resuming {variant} from its latest checkpoint", flush=True)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        argv += ["--overwrite_output_dir", "true"]  # died before its first checkpoint: start over
+    if tokenizer and "--tokenizer_name" not in train_args and not _has_checkpoint(run_dir):
+        argv += ["--tokenizer_name", tokenizer]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        last = [time.perf_counter(), time.process_time()]
+
+        def on_step(step: int, loss: float, model: Any) -> None:
+            now, cpu = time.perf_counter(), time.process_time()
+            record = {"step": step, "loss": float(loss), "step_s": now - last[0], "cpu_s": cpu - last[1]}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            last[0], last[1] = now, cpu
+
+        print(f"compare: training {variant} -> {run_dir}", flush=True)
+        return int(pretrain_main(argv, on_step=on_step) or 0)
+
+
+def read_log(path: Path) -> dict[int, dict[str, float]]:
+    """Per-step records; a resumed run replays steps after its checkpoint, and the last record of a step wins.
+
+    The first logged step of a (re)start includes setup time, so its duration is dropped.
+    """
+    steps: dict[int, dict[str, float]] = {}
+    if not path.is_file():
+        return steps
+    previous = None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        fresh = previous is None or rec["step"] != previous + 1
+        steps[rec["step"]] = rec | ({"step_s": math.nan, "cpu_s": math.nan} if fresh else {})
+        previous = rec["step"]
+    return steps
+
+
+def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list[dict[str, Any]]:
+    """One row per finished variant: metrics of the final model, parameters, cache cut, training speed."""
+    rows = []
+    for v in variants:
+        run_dir = output_dir / "runs" / slug(v)
+        metrics_path = run_dir / "final_metrics.json"
+        if not metrics_path.is_file():
+            continue
+        m = json.loads(metrics_path.read_text())
+        cfg = QKVShareConfig.from_pretrained(run_dir)
+        qkv_bytes = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        log = read_log(output_dir / "logs" / f"{slug(v)}.jsonl")
+        times = [r["step_s"] for r in log.values() if not math.isnan(r["step_s"])]
+        tps = tokens_per_step / statistics.median(times) if times else m.get("tokens_per_second")
+        cpu = [r["cpu_s"] for r in log.values() if not math.isnan(r.get("cpu_s", math.nan))]
+        tpcs = tokens_per_step / statistics.median(cpu) if cpu else math.nan
+        rows.append(
+            {"variant": v, "val_perplexity": m["val_perplexity"], "val_loss": m["val_loss"],
+             "val_tokens": m["val_tokens"], "tokens_seen": m["tokens_seen"], "parameters": m["parameters"],
+             "kv_cache_cut": 1 - cfg.kv_cache_bytes_per_token(1) / qkv_bytes, "train_tokens_per_s": tps, "train_tokens_per_cpu_s": tpcs,
+             "loss_curve": [[s, log[s]["loss"]] for s in sorted(log)]}
+        )  # fmt: skip
+    ref = next((r for r in rows if r["variant"] == "QKV"), rows[0] if rows else None)
+    for r in rows:
+        r["ppl_change"] = r["val_perplexity"] / ref["val_perplexity"] - 1
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    ref = next((r["variant"] for r in rows if r["variant"] == "QKV"), rows[0]["variant"])
+    table = [[r["variant"], round(r["val_perplexity"], 3), "0" if r["variant"] == ref else f"{r['ppl_change']:+.1%}",
+              f"{r['kv_cache_cut']:.1%}", r["parameters"], round(r["train_tokens_per_s"] or math.nan, 1),
+              round(r["train_tokens_per_cpu_s"], 1), r["tokens_seen"]] for r in rows]  # fmt: skip
+    return markdown_table(["variant", "val PPL", f"vs {ref}", "KV-cache cut", "params", "train tokens/s (wall)",
+                           "train tokens/CPU-s", "train tokens"], table)  # fmt: skip
+
+
+def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Training loss (moving average over ~2% of the steps) against step, one line per variant."""
+    series = {}
+    for r in rows:
+        steps = [s for s, _ in r["loss_curve"]]
+        losses = [loss for _, loss in r["loss_curve"]]
+        k = max(1, len(losses) // 50)
+        smooth = [statistics.fmean(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))]
+        series[f"{r['variant']} (val ppl {r['val_perplexity']:.2f})"] = (steps, smooth)
+    return line_plot(path, series, "optimizer step", "training loss (moving average)", "Pretraining loss")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qkvshare compare`."""
+    args, passthrough = build_parser().parse_known_args(argv)
+    output_dir = Path(args.output_dir)
+    try:
+        heads = QKVShareConfig.from_preset(args.preset).num_attention_heads
+        variants = args.variants or default_variants(QKVShareConfig.from_preset(args.preset), plus=False)
+        variants = [v for v in ["QKV", "Q-K=V", "Q=K-V", "Q=K=V"] if v in variants] + [
+            v for v in variants if v not in ("QKV", "Q-K=V", "Q=K-V", "Q=K=V")
+        ]  # the issue's order: QKV first, the reference of the "vs QKV" column
+        from qkvshare.configuration_qkvshare import parse_variant
+
+        for v in variants:
+            parse_variant(v, heads)
+        if len({slug(v) for v in variants}) != len(variants):
+            raise ValueError(f"--variants has duplicates: {variants}.")
+        for flag in ("max_steps", "per_device_train_batch_size", "block_size"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag} must be at least 1.")
+        reserved = {"--variant", "--resume_from_checkpoint", "--overwrite_output_dir", "--logging_steps"}
+        clash = sorted(reserved & {a.split("=")[0] for a in passthrough})
+        if clash:
+            raise ValueError(f"{', '.join(clash)} are set by compare itself per variant; leave them out.")
+        train_args = shared_train_args(args, passthrough)
+        if not args.table_only:
+            check_settings(output_dir, {"train_args": train_args, "variants": variants})
+    except ValueError as err:
+        print(f"qkvshare compare: {err}", file=sys.stderr)
+        return 2
+
+    if not args.table_only:
+        tokenizer = None
+        for v in variants:
+            run_dir = output_dir / "runs" / slug(v)
+            rc = train_variant(v, run_dir, output_dir / "logs" / f"{slug(v)}.jsonl", train_args, tokenizer)
+            if rc != 0:
+                print(f"qkvshare compare: training {v} failed (exit {rc}); rerun the same command to resume.",
+                      file=sys.stderr)  # fmt: skip
+                return rc
+            tokenizer = tokenizer or str(run_dir)
+
+    tokens_per_step = args.per_device_train_batch_size * args.block_size
+    settings_path = output_dir / "compare_settings.json"
+    if settings_path.is_file():  # the trainer's global batch (gradient accumulation is passed through)
+        ta = json.loads(settings_path.read_text())["train_args"]
+        if "--gradient_accumulation_steps" in ta:
+            tokens_per_step *= int(ta[ta.index("--gradient_accumulation_steps") + 1])
+    rows = collect(output_dir, variants, tokens_per_step)
+    if not rows:
+        print(f"qkvshare compare: no finished variant under {output_dir / 'runs'}.", file=sys.stderr)
+        return 1
+    table = format_table(rows)
+    header = (f"### Pretraining comparison: preset {args.preset}, {args.max_steps} steps x "
+              f"{tokens_per_step:,} tokens, seed {args.seed}")  # fmt: skip
+    text = f"{header}\n\n{table}\n"
+    print(text)
+    (output_dir / "compare.md").write_text(text)
+    (output_dir / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot = plot_losses(rows, output_dir / "loss_curves.png")
+    print(f"wrote {output_dir / 'compare.md'}, compare.json, {plot.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""`qkvshare costs`: analytic parameters, MACs and KV-cache bytes of every attention variant of a model shape.
+
+Conventions (chosen to reproduce the paper's figures for ``paper-300m`` exactly; see PAPER.md)
+- Parameters: every weight and bias once; a tied LM head is not counted again. "Attention" is everything inside
+  the attention modules (projections, their biases, and the m weights + 1 bias of a "+" map). The analytic count
+  is cross-checked against a real `QKVShareForCausalLM` built on the meta device (no memory, no init).
+- MACs of one forward pass over T tokens (batch 1), multiply-accumulates of matrix products only:
+    * every linear layer: in_features x out_features per token (attention projections, MLP, LM head; a tied
+      LM head still costs its matmul). Bias adds, norms, activations, RoPE, softmax and residuals are not counted;
+    * attention scores Q K^T and the weighted sum A V: H x T x T x head_dim each, dense (the paper does not halve
+      them for the causal mask; ``--causal_scores`` does);
+    * a "+" map adds T x m per layer: P[i, j] concatenates a row and a column encoding, so P.w splits into a
+      row term and a column term (T x m in all, as the model computes it) broadcast-added to the scores;
+    * the linear-attention kernel (paper appendix) replaces the two T x T products by a state update and a
+      readout: 2 x H x head_dim^2 per token.
+  With this convention paper-300m at T=2048 gives exactly the paper's figures: QKV 792,689,901,568 (792.69G),
+  Q=K-V and Q-K=V 749,740,228,608 (749.74G), Q=K=V 706,790,555,648 (706.79G).
+  "Attention share" = (attention projections + score/AV products + "+" map) / total; for paper-300m QKV it is
+  43.3% at T=2048 and 53.4% at T=4096 (the paper: passes 50% at 4096).
+- KV-cache bytes per token: num_key_value_heads x head_dim per cached tensor per layer; layers with tied K/V
+  (Q-K=V, Q=K=V and the Q-GQA/Q-MQA combinations) cache one tensor, others two. Context sizes use decimal GB,
+  as the paper (32k = 32,000 tokens: 2.62 GB for paper-300m QKV in fp16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from qkvshare.analysis.common import (
+    base_config,
+    check_variants,
+    default_variants,
+    known_presets,
+    markdown_table,
+    parse_overrides,
+    variant_config,
+)
+from qkvshare.configuration_qkvshare import QKVShareConfig
+
+BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parameters
+# ----------------------------------------------------------------------------------------------------------------
+def attention_projection_shapes(config: QKVShareConfig, layer_idx: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection layer ``layer_idx`` has; a projection its sharing mode drops is absent."""
+    d, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv_out = config.num_key_value_heads * config.head_dim
+    present = {"none": "qkvo", "qk": "kvo", "kv": "qko", "qkv": "ko"}[config.layer_sharing(layer_idx)]
+    shapes = {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out), "o": (q_out, d)}
+    return {name: shapes[name] for name in present}
+
+
+def parameter_counts(config: QKVShareConfig) -> dict[str, int]:
+    """Analytic parameter counts: total, attention, mlp, embeddings (token + learned positions), norms, lm_head."""
+    d, ff = config.hidden_size, config.intermediate_size
+    attention = 0
+    for i in range(config.num_hidden_layers):
+        for fan_in, fan_out in attention_projection_shapes(config, i).values():
+            attention += fan_in * fan_out + (fan_out if config.attention_bias else 0)
+        if config.attention_map_pe_dim:
+            attention += config.attention_map_pe_dim + 1
+    n_mlp_mats = 3 if config.mlp_type == "gated" else 2
+    mlp_layer = n_mlp_mats * d * ff
+    if config.mlp_bias:
+        mlp_layer += (n_mlp_mats - 1) * ff + d
+    mlp = mlp_layer * config.num_hidden_layers
+    per_norm = 2 * d if config.norm_type == "layernorm" else d
+    norms = per_norm * (2 * config.num_hidden_layers + 1)
+    embeddings = config.vocab_size * d
+    if config.position_embedding_type == "learned":
+        embeddings += config.max_position_embeddings * d
+    lm_head = 0 if config.tie_word_embeddings else config.vocab_size * d
+    total = attention + mlp + norms + embeddings + lm_head
+    return dict(total=total, attention=attention, mlp=mlp, embeddings=embeddings, norms=norms, lm_head=lm_head)
+
+
+def meta_parameter_counts(config: QKVShareConfig) -> dict[str, int]:
+    """Total and attention parameters of a real `QKVShareForCausalLM` built on the meta device (shared tensors once)."""
+    import torch
+
+    from qkvshare import QKVShareForCausalLM
+
+    with torch.device("meta"):
+        model = QKVShareForCausalLM(config)
+    seen: set[int] = set()
+    total = attention = 0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if ".self_attn." in name:
+            attention += p.numel()
+    return dict(total=total, attention=attention)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MACs and cache
+# ----------------------------------------------------------------------------------------------------------------
+def macs_per_forward(config: QKVShareConfig, seq_len: int, causal_scores: bool = False) -> dict[str, int]:
+    """MACs of one forward over ``seq_len`` tokens (batch 1), split into parts; convention in the module docstring."""
+    T, d, ff = seq_len, config.hidden_size, config.intermediate_size
+    H, hd = config.num_attention_heads, config.head_dim
+    pairs = T * (T + 1) // 2 if causal_scores else T * T
+    projections = scores = pe_map = 0
+    for i in range(config.num_hidden_layers):
+        projections += T * sum(a * b for a, b in attention_projection_shapes(config, i).values())
+        if config.attention_kernel == "linear":
+            scores += 2 * T * H * hd * hd
+        else:
+            scores += 2 * H * pairs * hd  # Q K^T and A V
+            pe_map += T * config.attention_map_pe_dim
+    mlp = T * (3 if config.mlp_type == "gated" else 2) * d * ff * config.num_hidden_layers
+    lm_head = T * d * config.vocab_size
+    attention = projections + scores + pe_map
+    return dict(
+        total=attention + mlp + lm_head, attention=attention, attention_projections=projections,
+        attention_scores=scores + pe_map, mlp=mlp, lm_head=lm_head,
+    )  # fmt: skip
+
+
+def kv_cache_bytes(
+    config: QKVShareConfig, context_len: int = 1, bytes_per_element: int = 2, batch_size: int = 1
+) -> int:
+    """Theoretical KV-cache bytes for ``batch_size`` sequences of ``context_len`` tokens."""
+    return config.kv_cache_bytes_per_token(bytes_per_element) * context_len * batch_size
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------------------
+def cost_report(
+    base: QKVShareConfig,
+    variants: list[str],
+    seq_lens: list[int],
+    context_lens: list[int],
+    dtypes: list[str],
+    check_meta: bool = True,
+    causal_scores: bool = False,
+) -> dict[str, Any]:
+    """Every number of the tables, JSON-serialisable. The first variant is the reference for "cut" columns."""
+    for dt in dtypes:
+        if dt not in BYTES_PER_ELEMENT:
+            raise ValueError(f"dtype {dt!r} is not known; allowed: {', '.join(BYTES_PER_ELEMENT)}.")
+    rows = []
+    for name in variants:
+        cfg = variant_config(base, name)
+        params = parameter_counts(cfg)
+        row: dict[str, Any] = {
+            "variant": name,
+            "parameters": params,
+            "macs": {str(T): macs_per_forward(cfg, T, causal_scores) for T in seq_lens},
+            "kv_cache_elements_per_token": cfg.kv_cache_elements_per_token(),
+            "kv_cache_bytes_per_token": {dt: cfg.kv_cache_bytes_per_token(BYTES_PER_ELEMENT[dt]) for dt in dtypes},
+            "kv_cache_bytes": {
+                dt: {str(C): kv_cache_bytes(cfg, C, BYTES_PER_ELEMENT[dt]) for C in context_lens} for dt in dtypes
+            },
+        }
+        if check_meta:
+            meta = meta_parameter_counts(cfg)
+            row["meta_parameters"] = meta
+            row["meta_check"] = meta["total"] == params["total"] and meta["attention"] == params["attention"]
+        rows.append(row)
+    ref = rows[0]
+    for row in rows:
+        row["parameter_cut"] = 1 - row["parameters"]["total"] / ref["parameters"]["total"]
+        row["attention_parameter_cut"] = 1 - row["parameters"]["attention"] / ref["parameters"]["attention"]
+        row["kv_cache_fraction"] = row["kv_cache_elements_per_token"] / ref["kv_cache_elements_per_token"]
+        row["kv_cache_cut"] = 1 - row["kv_cache_fraction"]
+        for T in map(str, seq_lens):
+            m = row["macs"][T]
+            m["attention_share"] = m["attention"] / m["total"]
+            m["cut_vs_reference"] = 1 - m["total"] / ref["macs"][T]["total"]
+    return {
+        "config": {k: getattr(base, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "head_dim", "vocab_size", "mlp_type",
+                                                  "norm_type", "position_embedding_type", "tie_word_embeddings")},
+        "reference": ref["variant"],
+        "seq_lens": seq_lens,
+        "context_lens": context_lens,
+        "dtypes": dtypes,
+        "mac_convention": "matmul MACs only; dense T x T scores" + (" halved (causal)" if causal_scores else ""),
+        "variants": rows,
+    }  # fmt: skip
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The three tables (parameters, MACs, KV cache) as markdown."""
+    ref = report["reference"]
+    rows = report["variants"]
+    out = []
+    headers = ["variant", "total params", "attention params", f"total vs {ref}", f"attention vs {ref}"]
+    has_meta = "meta_check" in rows[0]
+    if has_meta:
+        headers.append("meta-device check")
+    table = []
+    for r in rows:
+        p = r["parameters"]
+        line = [
+            r["variant"],
+            p["total"],
+            p["attention"],
+            _signed(-r["parameter_cut"]),
+            _signed(-r["attention_parameter_cut"]),
+        ]
+        if has_meta:
+            line.append("equal" if r["meta_check"] else f"MISMATCH {r['meta_parameters']}")
+        table.append(line)
+    out += ["### Parameters", "", markdown_table(headers, table), ""]
+
+    headers = ["variant"]
+    for T in report["seq_lens"]:
+        headers += [f"MACs T={T}", f"attn share T={T}", f"vs {ref} T={T}"]
+    table = []
+    for r in rows:
+        line = [r["variant"]]
+        for T in map(str, report["seq_lens"]):
+            m = r["macs"][T]
+            line += [f"{m['total'] / 1e9:,.2f}G", f"{m['attention_share']:.1%}", _signed(-m["cut_vs_reference"], 1)]
+        table.append(line)
+    out += [f"### MACs per forward (batch 1; {report['mac_convention']})", "", markdown_table(headers, table), ""]
+
+    headers = ["variant", "cache vs " + ref, "cut"]
+    for dt in report["dtypes"]:
+        headers.append(f"bytes/token {dt}")
+        headers += [f"{dt} @ {C:,} tok" for C in report["context_lens"]]
+    table = []
+    for r in rows:
+        line = [r["variant"], f"{r['kv_cache_fraction']:.2%}", f"{r['kv_cache_cut']:.1%}"]
+        for dt in report["dtypes"]:
+            line.append(r["kv_cache_bytes_per_token"][dt])
+            line += [_gb(r["kv_cache_bytes"][dt][str(C)]) for C in report["context_lens"]]
+        table.append(line)
+    out += ["### KV cache per sequence (decimal units)", "", markdown_table(headers, table), ""]
+    return "\n".join(out)
+
+
+def _signed(x: float, digits: int = 2) -> str:
+    """+1.23% / -4.50%, and 0 without a sign."""
+    return "0" if abs(x) < 1e-12 else f"{x:+.{digits}%}"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qkvshare costs", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", help=f"model shape preset ({known_presets()})")
+    p.add_argument("--model_dir", help="a QKVShare or Llama-architecture model directory (its config.json)")
+    p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
+    p.add_argument("--variants", nargs="*", help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
+                   "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+; g = heads/4). The first one is the reference.")  # fmt: skip
+    p.add_argument("--seq_lens", nargs="*", type=int, default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--context_lens", nargs="*", type=int, default=[2048, 32000])
+    p.add_argument("--dtypes", nargs="*", default=["fp16"], help=f"cache dtypes ({', '.join(BYTES_PER_ELEMENT)})")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    p.add_argument("--causal_scores", action="store_true", help="count only the causal half of the T x T products")
+    p.add_argument("--no_meta_check", action="store_true", help="skip building each variant on the meta device")
+    p.add_argument("--output", help="also write the output to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qkvshare costs`."""
+    args = build_parser().parse_args(argv)
+    try:
+        base = base_config(args.preset, args.model_dir, parse_overrides(args.override))
+        variants = check_variants(base, args.variants or default_variants(base))
+        if any(t <= 0 for t in args.seq_lens + args.context_lens):
+            raise ValueError("--seq_lens and --context_lens must be positive token counts.")
+    except ValueError as err:
+        print(f"qkvshare costs: {err}", file=sys.stderr)
+        return 2
+    report = cost_report(base, variants, args.seq_lens, args.context_lens, args.dtypes, not args.no_meta_check,
+                         args.causal_scores)  # fmt: skip
+    text = json.dumps(report, indent=2) if args.format == "json" else format_markdown(report)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""`qkvshare analyze MODEL`: per layer, how similar the Q, K and V projection weights are, and their effective rank.
+
+Definitions (the paper reports cos(W_k, W_v) = 0.73, cos(W_q, W_k) = 0.42, cos(W_q, W_v) = 0.31 and effective
+ranks of K 687 vs V 702 of 1024 for trained 300M QKV models; it does not spell out its formulas, so these are ours)
+- Effective weights: a projection a layer's sharing mode drops is the one it shares (Q=K-V: W_q = W_k; Q-K=V:
+  W_v = W_k; Q=K=V: both), so tied pairs have similarity exactly 1.0.
+- Cosine similarity of two matrices: of their flattened entries, <A, B>_F / (|A|_F |B|_F), in float64.
+  With GQA/MQA, W_k and W_v have fewer rows (kv heads x head_dim) than W_q; for pairs with Q they are expanded to
+  the query heads the way attention uses them (each kv head's block repeated for its group, as `repeat_kv`).
+  Note: Meta-converted Llama checkpoints permute the rows of q_proj/k_proj per head for HF's rotate_half RoPE, so
+  their cosines with V compare permuted rows; checkpoints trained in the HF layout (ours) have no such permutation.
+- Effective rank (Roy & Vetterli 2007): exp of the Shannon entropy of the normalised singular values,
+  p_i = s_i / sum(s). Between 1 and min(shape). We also give the energy rank: how many singular values hold 90%
+  of sum(s_i^2).
+- Weights are read from the checkpoint's safetensors files (single file or sharded with an index) with
+  `safe_open`: only the Q/K/V tensors are loaded, and no pickle is ever unpickled. Works for QKVShare checkpoints
+  and any Llama-architecture directory (names `...layers.N.self_attn.{q,k,v}_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from qkvshare.analysis.common import load_config_dict, markdown_table
+
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+# Which projection a dropped one is (sharing mode -> present projections), as in the core library.
+_MODE_BY_PRESENT = {frozenset("qkv"): "none", frozenset("kv"): "qk", frozenset("qk"): "kv", frozenset("k"): "qkv"}
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory (sharded via `model.safetensors.index.json` or globbed)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"{model_dir!s} is not a directory; pass a model directory written by save_pretrained.")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        bins = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+        hint = f" (found {', '.join(bins)}: pickle files are never loaded; convert them to safetensors)" if bins else ""
+        raise ValueError(f"{model_dir!s} holds no *.safetensors weights{hint}.")
+    return files
+
+
+def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
+    """{layer: {"q"|"k"|"v": weight (out, in)}} with only the projections the checkpoint has."""
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                m = _KEY.search(key)
+                if m:
+                    layers.setdefault(int(m.group(1)), {})[m.group(2)] = f.get_tensor(key)
+    if not layers:
+        raise ValueError(
+            f"{model_dir!s}: no tensors named '...layers.N.self_attn.{{q,k,v}}_proj.weight'; is it a Llama-architecture "
+            "or QKVShare checkpoint?"
+        )
+    return layers
+
+
+def layer_modes(config: dict[str, Any], layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
+    """Sharing mode per layer: from a QKVShare config, checked against (else inferred from) the tensors present."""
+    modes = {}
+    for i, projs in layers.items():
+        present = frozenset(projs)
+        if present not in _MODE_BY_PRESENT:
+            raise ValueError(f"layer {i} has projections {sorted(present)}; expected q,k,v / k,v / q,k / k.")
+        inferred = _MODE_BY_PRESENT[present]
+        if config.get("model_type") == "qkvshare":
+            per_layer = config.get("layer_projection_sharing")
+            declared = per_layer[i] if per_layer else config.get("projection_sharing", "none")
+            if declared != inferred:
+                raise ValueError(
+                    f"layer {i}: config says projection_sharing={declared!r} but the weights are {inferred!r}."
+                )
+        modes[i] = inferred
+    return modes
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two matrices' flattened entries (float64)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def effective_rank(w: torch.Tensor) -> float:
+    """Roy & Vetterli effective rank: exp(entropy of s / sum(s)) over the singular values s."""
+    s = torch.linalg.svdvals(w.double())
+    p = s / s.sum()
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def energy_rank(w: torch.Tensor, fraction: float = 0.9) -> int:
+    """Number of singular values that hold ``fraction`` of the squared Frobenius norm."""
+    s2 = torch.linalg.svdvals(w.double()) ** 2
+    cum = torch.cumsum(s2, 0) / s2.sum()
+    return int(torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype)).item()) + 1
+
+
+def expand_kv(w: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """(H_kv*D, d) -> (H*D, d): each kv head's rows repeated for the query heads of its group (as repeat_kv)."""
+    if num_kv_heads == num_heads:
+        return w
+    return (
+        w.view(num_kv_heads, head_dim, -1)
+        .repeat_interleave(num_heads // num_kv_heads, dim=0)
+        .reshape(num_heads * head_dim, -1)
+    )
+
+
+def analyze(model_dir: str | Path) -> dict[str, Any]:
+    """Per-layer cosines and effective ranks of the effective W_q, W_k, W_v of a checkpoint, plus their means."""
+    config = load_config_dict(model_dir)
+    layers = load_qkv_weights(model_dir)
+    modes = layer_modes(config, layers)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rows = []
+    for i in sorted(layers):
+        p = layers[i]
+        wk = p["k"]
+        wq = p.get("q", wk)  # Q=K: the query is the key projection
+        wv = p.get("v", wk)  # K=V: the value is the key projection
+        wk_x, wv_x = expand_kv(wk, heads, kv_heads, head_dim), expand_kv(wv, heads, kv_heads, head_dim)
+        rows.append(
+            {
+                "layer": i, "mode": modes[i], "cos_qk": cosine(wq, wk_x), "cos_qv": cosine(wq, wv_x),
+                "cos_kv": cosine(wk, wv), "erank_q": effective_rank(wq), "erank_k": effective_rank(wk),
+                "erank_v": effective_rank(wv), "rank90_q": energy_rank(wq), "rank90_k": energy_rank(wk),
+                "rank90_v": energy_rank(wv), "max_rank_q": min(wq.shape), "max_rank_kv": min(wk.shape),
+            }
+        )  # fmt: skip
+    keys = [k for k in rows[0] if k not in ("layer", "mode")]
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    return {"model": str(model_dir), "model_type": config.get("model_type"), "layers": rows, "mean": mean}
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    headers = ["layer", "mode", "cos(Q,K)", "cos(Q,V)", "cos(K,V)", "erank Q", "erank K", "erank V",
+               "rank90 Q", "rank90 K", "rank90 V", "max rank Q / KV"]  # fmt: skip
+
+    def line(label: Any, mode: str, r: dict[str, Any]) -> list[Any]:
+        return [str(label), mode, f"{r['cos_qk']:.4f}", f"{r['cos_qv']:.4f}", f"{r['cos_kv']:.4f}",
+                f"{r['erank_q']:.1f}", f"{r['erank_k']:.1f}", f"{r['erank_v']:.1f}", f"{r['rank90_q']:.0f}",
+                f"{r['rank90_k']:.0f}", f"{r['rank90_v']:.0f}", f"{r['max_rank_q']:.0f} / {r['max_rank_kv']:.0f}"]  # fmt: skip
+
+    rows = [line(r["layer"], r["mode"], r) for r in report["layers"]] + [line("mean", "", report["mean"])]
+    title = f"### Q/K/V weights of {report['model']} (cosine of flattened weights; Roy-Vetterli effective rank)"
+    return "\n".join([title, "", markdown_table(headers, rows)])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qkvshare analyze", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="model directory (QKVShare or Llama-architecture; safetensors weights)")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    p.add_argument("--output", help="also write the output to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qkvshare analyze`."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = analyze(args.model)
+    except (ValueError, KeyError) as err:
+        print(f"qkvshare analyze: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2) if args.format == "json" else format_markdown(report)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
