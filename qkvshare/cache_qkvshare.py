@@ -21,6 +21,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.configuration_utils import PreTrainedConfig
 
+from .linear_attention_qkvshare import LinearAttentionStateLayer
+
 
 class TiedKVLayer(DynamicLayer):
     """Cache layer for a tied-K/V attention layer.
@@ -106,6 +108,8 @@ class QKVShareCache(Cache):
     @staticmethod
     def _make_layer(config: PreTrainedConfig, layer_idx: int) -> CacheLayerMixin:
         # attention_kernel: "linear" layers (the paper's appendix recurrence) keep a constant-size state instead.
+        if config.attention_kernel == "linear":
+            return LinearAttentionStateLayer()
         return TiedKVLayer() if config.is_kv_tied(layer_idx) else DynamicLayer()
 
     def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:

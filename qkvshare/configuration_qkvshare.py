@@ -148,9 +148,10 @@ class QKVShareConfig(PreTrainedConfig):
             attention module. 0 turns it off.
         attention_map_pe_layout (`str`, defaults to `"original"`): `"original"` (Borji 2023, the paper's code) or
             `"reproduction"` (first m//2 channels encode the row, the rest the column).
-        attention_map_pe_init (`str`, defaults to `"unit_scale"`): init of the 1x1 map. `"unit_scale"` sets every
-            weight to 1/m so the score scale starts at exactly 1 (the others can shrink or flip it at init);
-            `"xavier"` is the original code's, `"normal"` N(0, initializer_range) the reproduction's.
+        attention_map_pe_init (`str`, defaults to `"xavier"`): init of the 1x1 map. `"xavier"` is the original
+            code's and the one under which "+" measurably helps on the synthetic tasks (see README); `"unit_scale"`
+            sets every weight to 1/m so the score scale starts at exactly 1; `"normal"` is the reproduction's
+            N(0, initializer_range). Xavier and normal can shrink or flip the score scale sum(w) at init.
         kv_tie_point (`str`, defaults to `"post_rope"`): with RoPE and tied K/V, whether V is the rotated key
             (`"post_rope"`) or the key projection's output before rotation (`"pre_rope"`, the exact tie; the cache
             stores the unrotated tensor and rotates it on read). Both cache one tensor per tied layer.
@@ -160,7 +161,9 @@ class QKVShareConfig(PreTrainedConfig):
         norm_type (`str`): `"rmsnorm"` or `"layernorm"`; mlp_type (`str`): `"gated"` (SwiGLU) or `"plain"` (GELU).
         is_causal (`bool`, defaults to True): False gives a bidirectional encoder.
         attention_kernel (`str`, defaults to `"softmax"`): `"linear"` selects the paper's appendix recurrence
-            (Q=K=V kernelized attention with a constant-size state).
+            (Q=K=V kernelized attention with a constant-size state), with `linear_attention_feature_map`,
+            `linear_attention_decay` (lambda) and `linear_attention_normalize` (divide the readout by
+            phi(z)^T n_t, default True; False is the paper's formula exactly).
 
     The remaining fields follow `LlamaConfig`. Use `QKVShareConfig.from_preset(name, variant, **overrides)`.
     """
@@ -205,11 +208,12 @@ class QKVShareConfig(PreTrainedConfig):
     layer_projection_sharing: list[str] | None = None
     attention_map_pe_dim: int = 0
     attention_map_pe_layout: str = "original"
-    attention_map_pe_init: str = "unit_scale"
+    attention_map_pe_init: str = "xavier"
     kv_tie_point: str = "post_rope"
     attention_kernel: str = "softmax"
     linear_attention_feature_map: str = "elu_plus_one"
     linear_attention_decay: float = 1.0
+    linear_attention_normalize: bool = True
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:

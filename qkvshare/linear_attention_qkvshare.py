@@ -225,8 +225,8 @@ class QKVShareLinearAttention(nn.Module):
         config: `QKVShareConfig` with `linear_attention_feature_map` ("elu_plus_one" | "relu") and
             `linear_attention_decay` (lambda in (0, 1]).
         layer_idx: index of the layer (its slot in the cache).
-        normalize: divide the readout by phi(z_t)^T n_t (default; see the module docstring). False = the paper's
-            formula y_t = phi(z_t)^T S_t exactly.
+        normalize: divide the readout by phi(z_t)^T n_t (see the module docstring); False = the paper's formula
+            y_t = phi(z_t)^T S_t exactly. None (default) takes `config.linear_attention_normalize`.
         chunk_size: tokens per chunk of the parallel form (memory O(C^2) per head and chunk).
         eps: added to the normalizer (relu features can give 0).
 
@@ -237,7 +237,7 @@ class QKVShareLinearAttention(nn.Module):
         self,
         config: QKVShareConfig,
         layer_idx: int,
-        normalize: bool = True,
+        normalize: bool | None = None,
         chunk_size: int = 64,
         eps: float = 1e-6,
     ):
@@ -255,7 +255,7 @@ class QKVShareLinearAttention(nn.Module):
         self.head_dim = config.head_dim
         self.decay = float(config.linear_attention_decay)
         self.feature_map = FEATURE_MAPS[config.linear_attention_feature_map]
-        self.normalize = normalize
+        self.normalize = config.linear_attention_normalize if normalize is None else normalize
         self.chunk_size = chunk_size
         self.eps = eps
         self.is_causal = True

@@ -51,6 +51,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_qkvshare import QKVShareCache
 from .configuration_qkvshare import QKVShareConfig
+from .linear_attention_qkvshare import QKVShareLinearAttention
 
 # Backends that accept an arbitrary additive float mask (needed by the "+" encoding).
 _BIAS_CAPABLE_BACKENDS = ("eager", "sdpa")
@@ -250,7 +251,8 @@ class QKVShareDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         # attention_kernel: "linear" layers (the paper's appendix recurrence) use their own attention module.
-        self.self_attn = QKVShareAttention(config=config, layer_idx=layer_idx)
+        attention_class = QKVShareLinearAttention if config.attention_kernel == "linear" else QKVShareAttention
+        self.self_attn = attention_class(config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config) if config.mlp_type == "gated" else QKVSharePlainMLP(config)
         self.input_layernorm = make_norm(config)
         self.post_attention_layernorm = make_norm(config)

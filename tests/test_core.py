@@ -263,11 +263,14 @@ def test_query_key_sharing_gives_symmetric_scores(position_type):
         assert (scores - scores.transpose(-1, -2)).abs().max() > 1e-3, variant
 
 
-def test_plus_unit_scale_init_keeps_scores_scale():
-    model = model_for(tiny("(Q=K=V)+"))
+def test_plus_map_inits():
+    model = model_for(tiny("(Q=K=V)+", attention_map_pe_init="unit_scale"))
     weight = model.model.layers[0].self_attn.attention_map_pe.weight
-    torch.testing.assert_close(weight.sum(), torch.tensor(1.0))
+    torch.testing.assert_close(weight, torch.full((1, 10), 0.1))  # sum(w) = 1: the score scale starts at 1
     assert model.model.layers[0].self_attn.attention_map_pe.bias.item() == 0
+    # default: xavier-uniform, bound sqrt(6 / (fan_in + fan_out)) = sqrt(6 / 11)
+    weight = model_for(tiny("(Q=K=V)+")).model.layers[1].self_attn.attention_map_pe.weight
+    assert weight.abs().max() <= (6 / 11) ** 0.5 and weight.std() > 0.1
 
 
 def test_original_layout_splits_row_and_column_channels():

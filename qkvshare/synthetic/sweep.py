@@ -1,0 +1,489 @@
+"""`qkvshare synthetic`: train bidirectional encoders on the paper's five synthetic tasks over a grid of variants.
+
+One run ("cell") = (variant, task, embedding size, layers, heads, length, seed) trained with the paper's recipe
+(section 4.1: Adam 1e-3, 5% linear warmup then cosine to 0, grad-norm clip 5, batch 128, 2 epochs over 10k
+sequences, token accuracy on 2k held-out sequences). Outputs in `--output_dir`:
+
+- `results.csv`: one row per finished cell, appended as soon as the cell ends. A rerun skips every cell whose key
+  (grid point + recipe) is already there, so a sweep is resumable and can be extended by adding grid values.
+- `loss_curves.jsonl`: the training loss of each cell (one JSON line per cell, same key).
+- `table.md`: mean ± std token accuracy per variant and task in the paper's layout, next to the paper's numbers.
+- `attention_maps.png` (rows: tasks, columns: variants) from the models of the "figure cell" (the first value of
+  every grid list, first seed), saved under `models/` as safetensors; `loss_curves.png` (one panel per task).
+
+Design choices
+- The encoder is `QKVShareForTokenClassification` with `is_causal=False`, `num_labels=10` and GPT-2-style blocks
+  (pre-LayerNorm, GELU MLP 4x, biases) with learned absolute positions added to the token embedding, like the
+  paper's synthetic encoder. With Q=K the scores K K^T are a Gram matrix (symmetric, diagonal-dominant up to norms),
+  so the absolute position is the only way to route by position; "+" adds the only asymmetric term.
+- The "+" 1x1 map starts from xavier-uniform weights, as in the original code behind the paper's synthetic table.
+  Measured on the default grid (3 seeds): with the library's `unit_scale` init (sum(w) = 1, scores start as without
+  "+") (Q=K=V)+ stays at Q=K=V's level or below on REVERSE/SWAP (.305/.369 vs .471/.385); with xavier it reaches
+  .733/.735. Note that P.w = row(i).w_r + col(j).w_c + b: the row term is constant along a softmax row, so "+" acts
+  as a learned temperature sum(w) plus a key-position bias, not as an (i, j)-dependent routing.
+- Cells are independent: the seed fixes the initialization, the data and the shuffling. Cells run in `--workers`
+  processes with `--threads` torch threads each (tiny models: one thread per process is the efficient choice).
+- `--grid default` (emb 64, 2 layers, 4 heads, length 32, seeds 0-2: 90 cells) is sized for about 15 minutes on
+  2 free CPU cores and is the cheapest measured corner of the paper's grid that separates the variants (see the
+  comment on `GRIDS`); `--grid paper` is the paper's full grid (3 x 2 x 2 x 3 x 3 seeds = 108 runs per variant
+  and task, 3240 in all). Any axis can be overridden (`--lengths 16 32`), and the table then covers exactly the
+  cells of the requested grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .tasks import NUM_SYMBOLS, TASKS, make_dataset
+
+PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
+
+# The paper's table (PAPER.md, synthetic tasks): mean token accuracy over its whole grid.
+PAPER_TABLE: dict[str, dict[str, float]] = {
+    "QKV": {"reverse": 0.698, "sort": 0.971, "sub": 1.0, "swap": 0.588, "copy": 1.0},
+    "Q=K-V": {"reverse": 0.705, "sort": 0.967, "sub": 1.0, "swap": 0.597, "copy": 1.0},
+    "(Q=K-V)+": {"reverse": 0.718, "sort": 0.963, "sub": 1.0, "swap": 0.671, "copy": 1.0},
+    "Q-K=V": {"reverse": 0.701, "sort": 0.958, "sub": 1.0, "swap": 0.590, "copy": 1.0},
+    "Q=K=V": {"reverse": 0.514, "sort": 0.939, "sub": 1.0, "swap": 0.446, "copy": 1.0},
+    "(Q=K=V)+": {"reverse": 0.581, "sort": 0.957, "sub": 1.0, "swap": 0.576, "copy": 1.0},
+}
+
+# Grid axes per named grid. "paper": the paper's grid. "default": chosen by measurement (see the report in
+# GRID_NOTES) to run in about 15 minutes on 2 CPU cores and still separate the variants.
+GRIDS: dict[str, dict[str, list[int]]] = {
+    "paper": {
+        "embedding_sizes": [32, 64, 256],
+        "layers": [2, 4],
+        "heads": [2, 4],
+        "lengths": [16, 64, 128],
+        "seeds": [0, 1, 2],
+    },
+    # Measured (CPU time per cell, paper recipe, 1 thread): emb 32/T16 ~4 s, emb 64/T16 ~6 s, emb 64/T32 ~14 s.
+    # emb 64/T16 is solved by every variant (all 1.0: no signal); emb 32 breaks Q-K=V as well (V must carry the
+    # absolute position, see the QV paper's remark); emb 64, 4 heads, T32 separates them as the paper does.
+    # 90 cells x ~14 CPU s / 2 workers = ~11 min on 2 free cores, plus start-up, evaluation and figures.
+    "default": {
+        "embedding_sizes": [64],
+        "layers": [2],
+        "heads": [4],
+        "lengths": [32],
+        "seeds": [0, 1, 2],
+    },
+}
+
+CSV_FIELDS = [
+    "key", "variant", "task", "embedding_size", "layers", "heads", "length", "seed", "train_size", "test_size",
+    "epochs", "batch_size", "lr", "map_pe_init", "token_accuracy", "sequence_accuracy", "final_train_loss",
+    "steps", "num_parameters", "train_seconds", "cpu_seconds",
+]  # fmt: skip
+
+
+@dataclass
+class SweepArgs:
+    """Arguments of `qkvshare synthetic` (each is also a command-line flag)."""
+
+    output_dir: str = "outputs/synthetic"  # where results.csv, table.md, the PNGs and the figure models go
+    grid: str = "default"  # "default" (about 15 min on 2 cores) or "paper" (the paper's full grid)
+    variants: list[str] = field(default_factory=lambda: list(PAPER_VARIANTS))  # paper names, e.g. QKV "(Q=K=V)+"
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # subset of reverse sort sub swap copy
+    embedding_sizes: list[int] | None = None  # overrides the grid's axis when given
+    layers: list[int] | None = None  # overrides the grid's axis when given
+    heads: list[int] | None = None  # overrides the grid's axis when given
+    lengths: list[int] | None = None  # overrides the grid's axis when given
+    seeds: list[int] | None = None  # overrides the grid's axis when given
+    train_size: int = 10_000  # training sequences (paper: 10k)
+    test_size: int = 2_000  # held-out sequences (paper: 2k)
+    epochs: int = 2  # paper: 2
+    batch_size: int = 128  # paper: 128
+    lr: float = 1e-3  # Adam peak learning rate (paper: 1e-3)
+    warmup_fraction: float = 0.05  # linear warmup share of the steps, then cosine to 0 (paper: 5%)
+    grad_clip: float = 5.0  # gradient-norm clip (paper: 5)
+    # init of the "+" 1x1 map: xavier (the original code's, behind the paper's synthetic numbers) | unit_scale | normal
+    map_pe_init: str = "xavier"
+    workers: int = 2  # parallel processes, one cell each
+    threads: int = 1  # torch threads per worker
+    attn_implementation: str = "sdpa"  # training backend; the attention figure always uses eager
+    map_layer: int = 0  # which layer's attention the figure shows (0: the first layer, where routing by position shows)
+    plots: bool = True  # write the PNGs (needs matplotlib)
+
+    def axes(self) -> dict[str, list[int]]:
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid={self.grid!r} is not a known grid; allowed: {', '.join(GRIDS)}.")
+        axes = dict(GRIDS[self.grid])
+        for name in axes:
+            if getattr(self, name) is not None:
+                axes[name] = list(getattr(self, name))
+        return axes
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One training run of the sweep, with the recipe it used (part of its identity)."""
+
+    variant: str
+    task: str
+    embedding_size: int
+    layers: int
+    heads: int
+    length: int
+    seed: int
+    train_size: int
+    test_size: int
+    epochs: int
+    batch_size: int
+    lr: float
+    warmup_fraction: float
+    grad_clip: float
+    map_pe_init: str
+    attn_implementation: str
+
+    @property
+    def key(self) -> str:
+        return (
+            f"{self.variant}|{self.task}|e{self.embedding_size}|l{self.layers}|h{self.heads}|t{self.length}|s{self.seed}"
+            f"|n{self.train_size}/{self.test_size}|ep{self.epochs}|b{self.batch_size}|lr{self.lr:g}"
+            f"|w{self.warmup_fraction:g}|c{self.grad_clip:g}"
+            # the "+" init changes nothing else: other variants keep their key (and results) across inits
+            + (f"|pe-{self.map_pe_init}" if self.variant.strip().endswith("+") else "")
+        )
+
+    @property
+    def grid_point(self) -> tuple[int, int, int, int, int]:
+        return (self.embedding_size, self.layers, self.heads, self.length, self.seed)
+
+
+def validate(args: SweepArgs) -> list[Cell]:
+    """Check every argument before any training and return the cells of the sweep (a clear ValueError if bad)."""
+    from qkvshare.configuration_qkvshare import ATTENTION_MAP_PE_INITS, parse_variant
+
+    axes = args.axes()
+    for task in args.tasks:
+        if task not in TASKS:
+            raise ValueError(f"task {task!r} is not a synthetic task; allowed: {', '.join(TASKS)}.")
+    if args.map_pe_init not in ATTENTION_MAP_PE_INITS:
+        raise ValueError(f"map_pe_init={args.map_pe_init!r}; allowed: {', '.join(ATTENTION_MAP_PE_INITS)}.")
+    for heads in axes["heads"]:
+        for variant in args.variants:
+            parse_variant(variant, heads)  # raises a ValueError naming the variant
+    for emb in axes["embedding_sizes"]:
+        for heads in axes["heads"]:
+            if emb % heads:
+                raise ValueError(f"embedding size {emb} is not divisible by {heads} heads; choose sizes heads divide.")
+    for length in axes["lengths"]:
+        if length < 2 or ("swap" in args.tasks and length % 2):
+            raise ValueError(f"length {length}: lengths must be >= 2, and even when the swap task is included.")
+    for name in ("train_size", "test_size", "epochs", "batch_size", "workers", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}={getattr(args, name)} must be a positive integer.")
+    if not 0 <= args.warmup_fraction < 1 or args.lr <= 0 or args.grad_clip <= 0:
+        raise ValueError("need 0 <= warmup_fraction < 1, lr > 0 and grad_clip > 0.")
+    recipe = dict(
+        train_size=args.train_size, test_size=args.test_size, epochs=args.epochs, batch_size=args.batch_size,
+        lr=args.lr, warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, map_pe_init=args.map_pe_init,
+        attn_implementation=args.attn_implementation,
+    )  # fmt: skip
+    return [
+        Cell(variant, task, emb, layers, heads, length, seed, **recipe)
+        for emb in axes["embedding_sizes"]
+        for layers in axes["layers"]
+        for heads in axes["heads"]
+        for length in axes["lengths"]
+        for seed in axes["seeds"]
+        for task in args.tasks
+        for variant in args.variants
+    ]
+
+
+def build_model(cell: Cell, attn_implementation: str | None = None):
+    """The synthetic encoder of a cell: a bidirectional QKVShareForTokenClassification with 10 labels."""
+    from qkvshare import QKVShareConfig, QKVShareForTokenClassification
+
+    config = QKVShareConfig.from_preset(
+        "tiny",
+        variant=cell.variant,
+        vocab_size=NUM_SYMBOLS,
+        hidden_size=cell.embedding_size,
+        intermediate_size=4 * cell.embedding_size,
+        num_hidden_layers=cell.layers,
+        num_attention_heads=cell.heads,
+        max_position_embeddings=cell.length,
+        position_embedding_type="learned",
+        norm_type="layernorm",
+        mlp_type="plain",
+        hidden_act="gelu_new",
+        attention_bias=True,
+        mlp_bias=True,
+        is_causal=False,
+        num_labels=NUM_SYMBOLS,
+        attention_map_pe_init=cell.map_pe_init,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation=attn_implementation or cell.attn_implementation,
+    )
+    return QKVShareForTokenClassification(config)
+
+
+def get_lr(step: int, total_steps: int, peak: float, warmup_fraction: float) -> float:
+    """Linear warmup over `warmup_fraction` of the steps, then cosine to 0 (a pure function of the step)."""
+    warmup = max(1, math.ceil(warmup_fraction * total_steps)) if warmup_fraction > 0 else 0
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
+    """Train and evaluate one cell. Returns its CSV row and its per-step training losses."""
+    torch.manual_seed(cell.seed)
+    model = build_model(cell)
+    # Disjoint seeds for train and test data; the shuffling generator is seeded too, so a cell is reproducible.
+    x_train, y_train = make_dataset(cell.task, cell.train_size, cell.length, seed=2 * cell.seed)
+    x_test, y_test = make_dataset(cell.task, cell.test_size, cell.length, seed=2 * cell.seed + 1)
+    shuffle = torch.Generator().manual_seed(cell.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cell.lr)
+    steps_per_epoch = math.ceil(cell.train_size / cell.batch_size)
+    total_steps = cell.epochs * steps_per_epoch
+    losses: list[float] = []
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model.train()
+    step = 0
+    for _ in range(cell.epochs):
+        order = torch.randperm(cell.train_size, generator=shuffle)
+        for begin in range(0, cell.train_size, cell.batch_size):
+            batch = order[begin : begin + cell.batch_size]
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(step, total_steps, cell.lr, cell.warmup_fraction)
+            loss = model(input_ids=x_train[batch], labels=y_train[batch]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cell.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            step += 1
+    train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    token_acc, seq_acc = evaluate(model, x_test, y_test, cell.batch_size)
+    if save_dir is not None:
+        model.save_pretrained(save_dir)  # safetensors
+    row = dataclasses.asdict(cell) | {
+        "key": cell.key,
+        "token_accuracy": round(token_acc, 5),
+        "sequence_accuracy": round(seq_acc, 5),
+        "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
+        "steps": total_steps,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(train_seconds, 2),  # wall clock of the training loop
+        "cpu_seconds": round(cpu_seconds, 2),  # CPU time of this process (all its threads): load-independent cost
+    }
+    return {name: row[name] for name in CSV_FIELDS}, losses
+
+
+@torch.no_grad()
+def evaluate(model, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    """Token accuracy and whole-sequence accuracy of `model` on (x, y)."""
+    model.eval()
+    correct = [
+        model(input_ids=x[i : i + batch_size]).logits.argmax(-1) == y[i : i + batch_size]
+        for i in range(0, len(x), batch_size)
+    ]
+    correct = torch.cat(correct)
+    return float(correct.float().mean()), float(correct.all(-1).float().mean())
+
+
+def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
+    from transformers.utils import logging as hf_logging
+
+    cell, save_dir, threads = job
+    torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()  # one tqdm bar for the sweep, not one per save/load
+    row, losses = train_cell(cell, save_dir)
+    return cell.key, row, losses
+
+
+def read_results(path: Path) -> list[dict]:
+    """Rows of a results CSV (empty list if the file does not exist)."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass
+class SweepResult:
+    """What `run_sweep` did: keys trained now, keys skipped (already in the CSV), and where the outputs are."""
+
+    trained: list[str]
+    skipped: list[str]
+    rows: list[dict]
+    table: str
+    files: dict[str, str]
+
+
+def figure_point(args: SweepArgs) -> tuple[int, int, int, int, int]:
+    """Grid point (emb, layers, heads, length, seed) whose models are saved for the attention-map figure."""
+    axes = args.axes()
+    return tuple(axes[name][0] for name in ("embedding_sizes", "layers", "heads", "lengths", "seeds"))
+
+
+def run_sweep(args: SweepArgs) -> SweepResult:
+    """Run every cell not yet in `results.csv`, then write the table and figures from all rows of this sweep."""
+    cells = validate(args)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
+    done = {row["key"] for row in read_results(csv_path)}
+    todo = [cell for cell in cells if cell.key not in done]
+    skipped = [cell.key for cell in cells if cell.key in done]
+    point = figure_point(args)
+
+    def save_dir(cell: Cell) -> str | None:
+        return str(out / "models" / model_dir_name(cell)) if cell.grid_point == point else None
+
+    from tqdm.auto import tqdm
+
+    trained = []
+    jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
+    new_file = not csv_path.exists()
+    with csv_path.open("a", newline="") as csv_file, curves_path.open("a") as curves_file:
+        writer = csv.DictWriter(csv_file, fieldnames=CSV_FIELDS)
+        if new_file:
+            writer.writeheader()
+        bar = tqdm(total=len(jobs), desc="synthetic cells", unit="cell", disable=not jobs)
+        if args.workers > 1 and len(jobs) > 1:
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(min(args.workers, len(jobs))) as pool:
+                results = pool.imap_unordered(_worker, jobs)
+                for key, row, losses in results:
+                    _record(writer, csv_file, curves_file, key, row, losses)
+                    trained.append(key)
+                    bar.update(1)
+        else:
+            for job in jobs:
+                key, row, losses = _worker(job)
+                _record(writer, csv_file, curves_file, key, row, losses)
+                trained.append(key)
+                bar.update(1)
+        bar.close()
+
+    keys = {cell.key for cell in cells}
+    rows = [row for row in read_results(csv_path) if row["key"] in keys]
+    table = results_table(rows, args.variants, args.tasks)
+    (out / "table.md").write_text(table + "\n")
+    files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
+    if args.plots:
+        from transformers.utils import logging as hf_logging
+
+        from .plots import plot_attention_maps, plot_loss_curves
+
+        hf_logging.disable_progress_bar()
+
+        files["loss_curves_png"] = plot_loss_curves(
+            curves_path, keys, args.variants, args.tasks, out / "loss_curves.png"
+        )
+        figure_cells = [cell for cell in cells if cell.grid_point == point]
+        files["attention_maps_png"] = plot_attention_maps(
+            figure_cells, out / "models", model_dir_name, args.variants, args.tasks, args.map_layer,
+            out / "attention_maps.png",
+        )  # fmt: skip
+    return SweepResult(trained=trained, skipped=skipped, rows=rows, table=table, files=files)
+
+
+def model_dir_name(cell: Cell) -> str:
+    """A filesystem-safe directory name for a cell's saved model."""
+    safe = cell.variant.replace("=", "eq").replace("(", "").replace(")", "").replace("+", "plus")
+    return f"{cell.task}_{safe}_e{cell.embedding_size}_l{cell.layers}_h{cell.heads}_t{cell.length}_s{cell.seed}"
+
+
+def _record(writer, csv_file, curves_file, key: str, row: dict, losses: list[float]) -> None:
+    writer.writerow(row)
+    csv_file.flush()
+    curves_file.write(json.dumps({"key": key, "variant": row["variant"], "task": row["task"], "losses": losses}) + "\n")
+    curves_file.flush()
+
+
+def results_table(rows: list[dict], variants: list[str], tasks: list[str]) -> str:
+    """Markdown table in the paper's layout: mean ± std token accuracy (runs of the grid), paper's value alongside."""
+    header = "| variant | " + " | ".join(t.upper() for t in tasks) + " | avg | paper avg |"
+    lines = [
+        "Token accuracy, mean ± std over the runs of this grid; in brackets the paper's mean over its full grid.",
+        "",
+        header,
+        "|" + "---|" * (len(tasks) + 3),
+    ]
+    for variant in variants:
+        cells, means = [], []
+        for task in tasks:
+            values = [float(r["token_accuracy"]) for r in rows if r["variant"] == variant and r["task"] == task]
+            paper = PAPER_TABLE.get(variant, {}).get(task)
+            paper_text = f" ({paper:.3f})" if paper is not None else ""
+            if values:
+                mean = sum(values) / len(values)
+                std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+                cells.append(f"{mean:.3f} ± {std:.3f}{paper_text}")
+                means.append(mean)
+            else:
+                cells.append(f"-{paper_text}")
+        avg = f"{sum(means) / len(means):.3f}" if len(means) == len(tasks) and means else "-"
+        paper_values = [PAPER_TABLE.get(variant, {}).get(t) for t in tasks]
+        paper_avg = f"{sum(paper_values) / len(paper_values):.3f}" if all(v is not None for v in paper_values) else "-"
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {avg} | {paper_avg} |")
+    counts = {(r["variant"], r["task"]) for r in rows}
+    lines += ["", f"{len(rows)} runs ({len(counts)} variant x task combinations)."]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> SweepArgs:
+    defaults = SweepArgs()
+    parser = argparse.ArgumentParser(
+        prog="qkvshare synthetic",
+        description="Train the paper's synthetic encoder tasks over a grid of attention variants (resumable).",
+    )
+    for f in dataclasses.fields(SweepArgs):
+        default = getattr(defaults, f.name)
+        flag = f"--{f.name}"
+        if f.name == "plots":
+            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
+        elif f.name == "variants" or f.name == "tasks":
+            parser.add_argument(flag, nargs="+", default=default, help=f"default: {' '.join(default)}")
+        elif f.name in ("embedding_sizes", "layers", "heads", "lengths", "seeds"):
+            parser.add_argument(flag, nargs="+", type=int, default=None, help="overrides the grid's values")
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=f"default: {default}")
+    return SweepArgs(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qkvshare synthetic`."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cells = validate(args)
+    except ValueError as error:
+        print(f"qkvshare synthetic: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"{len(cells)} cells ({len(args.variants)} variants x {len(args.tasks)} tasks x grid {args.grid!r}: "
+        f"{args.axes()}), {args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
+    )
+    start = time.perf_counter()
+    result = run_sweep(args)
+    print(result.table)
+    print(f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
+          f"{time.perf_counter() - start:.0f} s wall")  # fmt: skip
+    for name, path in result.files.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+__all__ = ["SweepArgs", "Cell", "GRIDS", "PAPER_TABLE", "PAPER_VARIANTS", "run_sweep", "train_cell", "main"]
