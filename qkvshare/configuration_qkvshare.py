@@ -315,7 +315,12 @@ class QKVShareConfig(PreTrainedConfig):
         return self.attention_map_pe_dim > 0 or (pre_rope and tied)
 
     def kv_cache_elements_per_token(self) -> int:
-        """Elements the KV cache holds per token (all layers): tied layers hold one tensor, others two."""
+        """Elements the KV cache holds per token (all layers): tied layers hold one tensor, others two.
+
+        0 with `attention_kernel="linear"`: that cache is a constant-size state, not a per-token one.
+        """
+        if self.attention_kernel == "linear":
+            return 0
         per_tensor = self.num_key_value_heads * self.head_dim
         return sum(per_tensor * (1 if self.is_kv_tied(i) else 2) for i in range(self.num_hidden_layers))
 

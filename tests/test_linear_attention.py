@@ -183,6 +183,7 @@ def test_causal_lm_with_linear_kernel_decodes_exactly_with_constant_cache():
 
     torch.manual_seed(0)
     config = make_config(linear_attention_decay=0.95, vocab_size=50)
+    assert config.kv_cache_bytes_per_token() == 0  # no per-token cache: the state is constant-size
     model = QKVShareForCausalLM(config).eval()
     assert all(isinstance(layer.self_attn, QKVShareLinearAttention) for layer in model.model.layers)
     ids = torch.randint(0, 50, (2, 12))
