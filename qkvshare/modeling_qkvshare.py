@@ -160,18 +160,17 @@ class QKVShareAttention(nn.Module):
         # The "+" variants: the paper's 1x1 conv over m channels of the attention map, shared across heads.
         self.attention_map_pe = AttentionMapPE(config.attention_map_pe_dim) if config.attention_map_pe_dim else None
 
+    def _heads(self, projection: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, T, hidden) -> (B, heads, T, D)."""
+        return projection(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
     def project(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key and value of the new tokens, before any cache. Tied tensors are the same object."""
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
-        query = (
-            key if self.query_is_key else self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        )  # (B, H, T, D)
-        value = (
-            key if self.kv_tied else self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        )  # (B, H_kv, T, D)
+        key = self._heads(self.k_proj, hidden_states)  # (B, H_kv, T, D)
+        query = key if self.query_is_key else self._heads(self.q_proj, hidden_states)  # (B, H, T, D)
+        value = key if self.kv_tied else self._heads(self.v_proj, hidden_states)  # (B, H_kv, T, D)
         if position_embeddings is not None:  # RoPE on query and key; V follows the key only for post-RoPE ties
             cos, sin = position_embeddings
             rotated_key = rotate(key, cos, sin)
