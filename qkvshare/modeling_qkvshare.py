@@ -322,6 +322,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
         )
         self.norm = make_norm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.position_embedding_type == "rope" else None
+        # Pre-RoPE tied layers rotate their cached keys on read: they need cos/sin at every cached position.
+        self.has_pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -392,7 +394,7 @@ class QKVShareModel(QKVSharePreTrainedModel):
         position_embeddings = key_position_embeddings = map_encoding = None
         if self.rotary_emb is not None:
             position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-            if self.config.needs_key_positions and isinstance(cache, QKVShareCache):
+            if self.has_pre_rope_ties and isinstance(cache, QKVShareCache):
                 key_position_embeddings = self.rotary_emb(hidden_states, position_ids=key_position_ids)
         if self.config.attention_map_pe_dim:
             map_encoding = attention_map_encoding(
