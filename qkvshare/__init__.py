@@ -15,7 +15,14 @@ from transformers import (
 )
 
 from .cache_qkvshare import QKVShareCache, TiedKVLayer
-from .configuration_qkvshare import PAPER_NAMES, PRESETS, VARIANTS, QKVShareConfig, parse_variant
+from .configuration_qkvshare import (
+    ARCHITECTURE_STYLES,
+    PAPER_NAMES,
+    PRESETS,
+    VARIANTS,
+    QKVShareConfig,
+    parse_variant,
+)
 from .modeling_qkvshare import (
     QKVShareForCausalLM,
     QKVShareForSequenceClassification,
@@ -47,6 +54,7 @@ __all__ = [
     "QKVShareCache",
     "TiedKVLayer",
     "PRESETS",
+    "ARCHITECTURE_STYLES",
     "VARIANTS",
     "PAPER_NAMES",
     "parse_variant",

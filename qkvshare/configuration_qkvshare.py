@@ -97,16 +97,22 @@ def variant_name(config: QKVShareConfig) -> str:
 
 # Named presets (see README). The paper's models are GPT-2 style; the llama-* presets are the same shapes in
 # the Llama style (RMSNorm, SwiGLU with the usual 8/3 ratio rounded to a multiple of 256, RoPE, no biases).
-_GPT2_STYLE = dict(
-    norm_type="layernorm", norm_eps=1e-5, mlp_type="plain", hidden_act="gelu_new", attention_bias=True,
-    mlp_bias=True, position_embedding_type="learned", tie_word_embeddings=True, max_position_embeddings=2048,
-    vocab_size=50304, bos_token_id=50256, eos_token_id=50256,
-)  # fmt: skip
-_LLAMA_STYLE = dict(
-    norm_type="rmsnorm", norm_eps=1e-5, mlp_type="gated", hidden_act="silu", attention_bias=False,
-    mlp_bias=False, position_embedding_type="rope", tie_word_embeddings=True, max_position_embeddings=2048,
-    vocab_size=50304, bos_token_id=50256, eos_token_id=50256,
-)  # fmt: skip
+# The two block styles as config fields; `from_preset(..., **ARCHITECTURE_STYLES["gpt2"])` switches a preset.
+ARCHITECTURE_STYLES: dict[str, dict[str, Any]] = {
+    "gpt2": dict(
+        norm_type="layernorm", norm_eps=1e-5, mlp_type="plain", hidden_act="gelu_new", attention_bias=True,
+        mlp_bias=True, position_embedding_type="learned",
+    ),
+    "llama": dict(
+        norm_type="rmsnorm", norm_eps=1e-5, mlp_type="gated", hidden_act="silu", attention_bias=False,
+        mlp_bias=False, position_embedding_type="rope",
+    ),
+}  # fmt: skip
+# GPT-2 tokenizer padded to a multiple of 64, 2048 positions, tied head: the paper's LM setup.
+_PAPER_LM = dict(tie_word_embeddings=True, max_position_embeddings=2048, vocab_size=50304, bos_token_id=50256,
+                 eos_token_id=50256)  # fmt: skip
+_GPT2_STYLE = ARCHITECTURE_STYLES["gpt2"] | _PAPER_LM
+_LLAMA_STYLE = ARCHITECTURE_STYLES["llama"] | _PAPER_LM
 PRESETS: dict[str, dict[str, Any]] = {
     # A few thousand parameters: tests and CPU smoke runs.
     "tiny": dict(
@@ -328,6 +334,11 @@ class QKVShareConfig(PreTrainedConfig):
         """KV-cache bytes per token (default fp16/bf16), e.g. 81,920 for `paper-300m` QKV."""
         return self.kv_cache_elements_per_token() * bytes_per_element
 
+    def qkv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """KV-cache bytes per token of the plain QKV model of this shape (K and V of every head, every layer):
+        the reference of the "cache cut" figures."""
+        return 2 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * bytes_per_element
+
     @property
     def variant(self) -> str:
         """The paper's name of this config's attention variant."""
@@ -354,4 +365,12 @@ class QKVShareConfig(PreTrainedConfig):
         return cls(**fields)
 
 
-__all__ = ["QKVShareConfig", "PRESETS", "VARIANTS", "PAPER_NAMES", "parse_variant", "variant_name"]
+__all__ = [
+    "QKVShareConfig",
+    "ARCHITECTURE_STYLES",
+    "PRESETS",
+    "VARIANTS",
+    "PAPER_NAMES",
+    "parse_variant",
+    "variant_name",
+]

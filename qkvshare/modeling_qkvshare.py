@@ -322,7 +322,9 @@ class QKVShareModel(QKVSharePreTrainedModel):
         )
         self.norm = make_norm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.position_embedding_type == "rope" else None
-        # Pre-RoPE tied layers rotate their cached keys on read: they need cos/sin at every cached position.
+        # Decided once: whether attention needs the positions of cached keys ("+", pre-RoPE ties), and whether
+        # pre-RoPE tied layers need cos/sin at every cached position (they rotate their cached keys on read).
+        self.needs_key_positions = config.needs_key_positions
         self.has_pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
         self.gradient_checkpointing = False
         self.post_init()
@@ -370,7 +372,7 @@ class QKVShareModel(QKVSharePreTrainedModel):
 
         # Positions of every key this forward attends to: cached ones (kept by QKVShareCache) + the new ones.
         key_position_ids = position_ids
-        if self.config.needs_key_positions:
+        if self.needs_key_positions:
             new_positions = position_ids.expand(batch_size, -1)
             if isinstance(cache, QKVShareCache):
                 key_position_ids = cache.update_positions(new_positions)

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from qkvshare import QKVShareCache, QKVShareConfig, QKVShareForCausalLM, TiedKVLayer
+from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
 
 VOCAB = 128
 
@@ -47,16 +48,7 @@ COMBOS = {
     "Q-GQA-2/pre": tiny("Q-GQA-2", kv_tie_point="pre_rope"),
     "Q-MQA/post": tiny("Q-MQA"),
     "Q-K=V/learned": tiny("Q-K=V", position_embedding_type="learned"),
-    "Q=K=V/learned/gpt2": QKVShareConfig.from_preset(
-        "tiny",
-        "Q=K=V",
-        position_embedding_type="learned",
-        norm_type="layernorm",
-        mlp_type="plain",
-        hidden_act="gelu_new",
-        attention_bias=True,
-        mlp_bias=True,
-    ),  # fmt: skip
+    "Q=K=V/learned/gpt2": tiny("Q=K=V", **ARCHITECTURE_STYLES["gpt2"]),
     "(Q=K-V)+/none": tiny("(Q=K-V)+", position_embedding_type="none"),
     "Q-MQA/none": tiny("Q-MQA", position_embedding_type="none"),
     "mix/pre": tiny(layer_projection_sharing=["none", "kv", "qkv"], num_hidden_layers=3, kv_tie_point="pre_rope"),
@@ -201,6 +193,7 @@ def test_cache_bytes_relative_to_qkv_match_theory(variant, fraction):
     cache = _filled_cache(tiny(variant), batch=2, length=9)
     assert cache.nbytes() == qkv * fraction
     assert cache.nbytes() == tiny(variant).kv_cache_bytes_per_token(4) * 2 * 9
+    assert qkv == tiny(variant).qkv_cache_bytes_per_token(4) * 2 * 9  # the reference of every "cut" figure
 
 
 def test_pre_rope_cache_adds_only_positions():
@@ -217,6 +210,7 @@ def test_pre_rope_cache_adds_only_positions():
 def test_paper_300m_fp16_bytes_per_token(variant, per_token):
     config = QKVShareConfig.from_preset("paper-300m", variant)
     assert config.kv_cache_bytes_per_token(2) == per_token
+    assert config.qkv_cache_bytes_per_token(2) == 81_920
     # The real cache, fed one fp16 token per layer in the shapes the attention layers produce.
     cache = QKVShareCache(config)
     for layer_idx in range(config.num_hidden_layers):

@@ -153,7 +153,7 @@ def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list
             continue
         m = json.loads(metrics_path.read_text())
         cfg = QKVShareConfig.from_pretrained(run_dir)
-        qkv_bytes = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        qkv_bytes = cfg.qkv_cache_bytes_per_token(1)
         log = read_log(output_dir / "logs" / f"{slug(v)}.jsonl")
         times = [r["step_s"] for r in log.values() if not math.isnan(r["step_s"])]
         tps = tokens_per_step / statistics.median(times) if times else m.get("tokens_per_second")

@@ -209,6 +209,7 @@ def validate(args: SweepArgs) -> list[Cell]:
 def build_model(cell: Cell, attn_implementation: str | None = None):
     """The synthetic encoder of a cell: a bidirectional QKVShareForTokenClassification with 10 labels."""
     from qkvshare import QKVShareConfig, QKVShareForTokenClassification
+    from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
 
     config = QKVShareConfig.from_preset(
         "tiny",
@@ -219,12 +220,7 @@ def build_model(cell: Cell, attn_implementation: str | None = None):
         num_hidden_layers=cell.layers,
         num_attention_heads=cell.heads,
         max_position_embeddings=cell.length,
-        position_embedding_type="learned",
-        norm_type="layernorm",
-        mlp_type="plain",
-        hidden_act="gelu_new",
-        attention_bias=True,
-        mlp_bias=True,
+        **ARCHITECTURE_STYLES["gpt2"],  # pre-LayerNorm, GELU MLP, biases, learned absolute positions
         is_causal=False,
         num_labels=NUM_SYMBOLS,
         attention_map_pe_init=cell.map_pe_init,

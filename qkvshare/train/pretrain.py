@@ -376,7 +376,7 @@ def train(args: Arguments, on_step: Callable[[int, float, Any], None] | None = N
               "mfu": metrics.get("train/mfu"), "flops_per_token": run.flops_per_token, "variant": run.config.variant,
               "parameters": count_parameters(acc.unwrap_model(run.model)),
               "kv_cache_bytes_per_token": run.config.kv_cache_bytes_per_token(),
-              "qkv_kv_cache_bytes_per_token": qkv_cache_bytes_per_token(run.config)}  # fmt: skip
+              "qkv_kv_cache_bytes_per_token": run.config.qkv_cache_bytes_per_token()}  # fmt: skip
     save_final_model(run, result)
     acc.end_training()
     return result
@@ -385,11 +385,6 @@ def train(args: Arguments, on_step: Callable[[int, float, Any], None] | None = N
 # --------------------------------------------------------------------------------------------------------------
 # End product
 # --------------------------------------------------------------------------------------------------------------
-def qkv_cache_bytes_per_token(config: QKVShareConfig, bytes_per_element: int = 2) -> int:
-    """KV-cache bytes per token of a standard QKV model of the same shape (K and V of every head, every layer)."""
-    return 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * bytes_per_element
-
-
 def save_final_model(run: Run, result: dict[str, Any]) -> None:
     """Write the Hugging Face model directory (config with auto_map, code, safetensors, tokenizer, args, metrics),
     reload it from disk to generate the closing sample, and push it if asked."""
