@@ -7,17 +7,30 @@ Design notes
   ``attention_map_pe_dim`` (the "+" 2D positional encoding of the attention map) and ``kv_tie_point``.
 - Architecture switches (norm, MLP, biases, position embedding type, tied embeddings) express both the
   paper's GPT-2-style model and the Llama style, so one code path serves both.
+- Field types are checked by `@strict` (huggingface_hub) and every bad value raises a plain `ValueError` naming the
+  field, the value and what is allowed (`_value_errors` re-raises `@strict`'s own exceptions as ValueError). No
+  ``from __future__ import annotations`` here: `@strict` skips the type check of annotations kept as strings.
+- ``from_preset`` is the strict entry point (unknown keys are errors, token ids must fit the vocabulary); a plain
+  ``QKVShareConfig(...)`` / ``from_pretrained`` keeps transformers' leniency for extra keys (hub configs carry some).
+- The tensor-parallel plan is derived from the layers the config describes (`base_model_tp_plan`), never stored.
 - This file imports nothing else from the package: ``save_pretrained`` copies it into checkpoints.
 """
 
-from __future__ import annotations
-
+import dataclasses
+import difflib
+import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # Field values. Names are the public API (configs on the hub store them).
 PROJECTION_SHARING_MODES = ("none", "qk", "kv", "qkv")
@@ -35,13 +48,32 @@ PAPER_NAMES = {"none": "QKV", "qk": "Q=K-V", "kv": "Q-K=V", "qkv": "Q=K=V"}
 _MODE_BY_PAPER_NAME = {name: mode for mode, name in PAPER_NAMES.items()} | {"QV": "kv"}
 
 # The paper's variant names; GQA-<g> and Q-GQA-<g> take any divisor g of the head count.
-VARIANTS = (
-    "QKV", "Q=K-V", "Q-K=V", "QV", "Q=K=V", "(Q=K-V)+", "(Q=K=V)+",
-    "GQA-<g>", "MQA", "Q-GQA-<g>", "Q-MQA",
-)  # fmt: skip
+VARIANTS = ("QKV", "Q=K-V", "Q-K=V", "QV", "Q=K=V", "(Q=K-V)+", "(Q=K=V)+", "GQA-<g>", "MQA", "Q-GQA-<g>", "Q-MQA")
 
 # m of the "+" variants when a preset does not set it: the paper uses m=10 for synthetic and set tasks.
 DEFAULT_ATTENTION_MAP_PE_DIM = 10
+
+# The model class of each Auto class, in modeling_qkvshare.py. `__init__` registers them, and a checkpoint's
+# `auto_map` lists them all, so `trust_remote_code=True` loads any head where the package is not installed.
+AUTO_MODEL_CLASSES = {
+    "AutoModel": "QKVShareModel",
+    "AutoModelForCausalLM": "QKVShareForCausalLM",
+    "AutoModelForSequenceClassification": "QKVShareForSequenceClassification",
+    "AutoModelForTokenClassification": "QKVShareForTokenClassification",
+}
+
+# Keywords that are not dataclass fields but that `__post_init__` (ours or transformers') consumes: Llama's names
+# (`rope_theta`, `rms_norm_eps`), transformers' legacy and run-time switches. With the fields, the valid names.
+_POST_INIT_KEYWORDS = (
+    "rope_theta",
+    "rms_norm_eps",
+    "rope_scaling",
+    "torch_dtype",
+    "num_labels",
+    "output_attentions",
+    "attn_implementation",
+)
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -81,7 +113,7 @@ def parse_variant(variant: str, num_attention_heads: int) -> dict[str, Any]:
     return fields
 
 
-def variant_name(config: QKVShareConfig) -> str:
+def variant_name(config: "QKVShareConfig") -> str:
     """The paper's name for a config's attention variant (``"mixed"`` for per-layer mixes)."""
     modes = set(config.layer_projection_sharing or [config.projection_sharing])
     if len(modes) > 1:
@@ -100,29 +132,54 @@ def variant_name(config: QKVShareConfig) -> str:
 # The two block styles as config fields; `from_preset(..., **ARCHITECTURE_STYLES["gpt2"])` switches a preset.
 ARCHITECTURE_STYLES: dict[str, dict[str, Any]] = {
     "gpt2": dict(
-        norm_type="layernorm", norm_eps=1e-5, mlp_type="plain", hidden_act="gelu_new", attention_bias=True,
-        mlp_bias=True, position_embedding_type="learned",
+        norm_type="layernorm",
+        norm_eps=1e-5,
+        mlp_type="plain",
+        hidden_act="gelu_new",
+        attention_bias=True,
+        mlp_bias=True,
+        position_embedding_type="learned",
     ),
     "llama": dict(
-        norm_type="rmsnorm", norm_eps=1e-5, mlp_type="gated", hidden_act="silu", attention_bias=False,
-        mlp_bias=False, position_embedding_type="rope",
+        norm_type="rmsnorm",
+        norm_eps=1e-5,
+        mlp_type="gated",
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        position_embedding_type="rope",
     ),
-}  # fmt: skip
+}
 # GPT-2 tokenizer padded to a multiple of 64, 2048 positions, tied head: the paper's LM setup.
-_PAPER_LM = dict(tie_word_embeddings=True, max_position_embeddings=2048, vocab_size=50304, bos_token_id=50256,
-                 eos_token_id=50256)  # fmt: skip
+_PAPER_LM = dict(
+    tie_word_embeddings=True, max_position_embeddings=2048, vocab_size=50304, bos_token_id=50256, eos_token_id=50256
+)
 _GPT2_STYLE = ARCHITECTURE_STYLES["gpt2"] | _PAPER_LM
 _LLAMA_STYLE = ARCHITECTURE_STYLES["llama"] | _PAPER_LM
 PRESETS: dict[str, dict[str, Any]] = {
     # A few thousand parameters: tests and CPU smoke runs.
     "tiny": dict(
-        _LLAMA_STYLE, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        _LLAMA_STYLE,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     # About 5M parameters: the CPU pretraining recipe (README main job).
     "small": dict(
-        _LLAMA_STYLE, vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-        num_attention_heads=4, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
+        _LLAMA_STYLE,
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
     ),
     "paper-300m": dict(
         _GPT2_STYLE, hidden_size=1024, intermediate_size=4096, num_hidden_layers=20, num_attention_heads=16
@@ -136,9 +193,86 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-1.2b": dict(
         _LLAMA_STYLE, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32
     ),
-}  # fmt: skip
+}
 
 
+def _type_name(annotation: Any) -> str:
+    """`int`, `int | float | None`, `list[str] | None`: a field's annotation as a reader writes it."""
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", text)  # drop module paths (typing.Literal -> Literal)
+
+
+def _value_type_name(value: Any) -> str:
+    """`str`, `list[int | str]`, `dict[str, float]`: the type of a value, with the types of its items."""
+    if isinstance(value, list | tuple | set):
+        return f"{type(value).__name__}[{' | '.join(sorted({type(item).__name__ for item in value}))}]"
+    if isinstance(value, dict):
+        keys = " | ".join(sorted({type(key).__name__ for key in value}))
+        values = " | ".join(sorted({type(item).__name__ for item in value.values()}))
+        return f"dict[{keys}, {values}]"
+    return type(value).__name__
+
+
+def _value_errors(cls: type) -> type:
+    """Make the checks of `@strict` raise a plain ValueError naming the field, the value and what is allowed.
+
+    `@strict` (huggingface_hub.dataclasses) type-checks each field on assignment and runs the `validate_*`
+    methods after `__init__`, but raises `StrictDataclassFieldValidationError` / `...ClassValidationError`: not
+    ValueErrors, so code that catches ValueError for bad input (the command lines, user code) would not see them.
+    Applied above `@strict`, this wraps the two entry points it installs.
+    """
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            cause = error.__cause__
+            if isinstance(cause, TypeError):
+                allowed = _type_name(type(self).__dataclass_fields__[name].type)
+                message = f"{name}={value!r} has type {_value_type_name(value)}, but {name} must be {allowed}."
+            else:
+                message = f"{name}={value!r}: {cause}"
+            raise ValueError(message) from None
+
+    def validate(self) -> None:
+        try:
+            strict_validate(self)
+        except StrictDataclassClassValidationError as error:
+            raise ValueError(str(error.__cause__)) from None
+
+    validate.__is_defined_by_strict_decorator__ = True  # a subclass may apply `@strict` again
+    cls.__setattr__, cls.validate = __setattr__, validate
+    return cls
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fit_token_ids(preset: str, fields: dict[str, Any], given: Iterable[str]) -> None:
+    """Keep `fields`' token ids inside the vocabulary (see `QKVShareConfig.from_preset`); edits `fields`."""
+    vocab_size = fields["vocab_size"]
+    if not _is_int(vocab_size) or vocab_size <= 0:
+        return  # the config's own checks report a bad vocab_size
+    for key in _TOKEN_ID_FIELDS:
+        value = fields.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if all(not _is_int(token) or 0 <= token < vocab_size for token in ids):
+            continue  # fits (a wrong type is reported by the config's type check)
+        if key in given:
+            raise ValueError(
+                f"{key}={value!r} does not fit vocab_size={vocab_size}: token ids must be in [0, {vocab_size - 1}]; "
+                f"pass your tokenizer's id, or None for no {key.removesuffix('_token_id')} token."
+            )
+        logger.warning(
+            f"preset {preset!r} has {key}={value!r}, outside vocab_size={vocab_size}: set to None. Pass your "
+            f"tokenizer's id ({key}=...) to keep one."
+        )
+        fields[key] = None
+
+
+@_value_errors
 @strict
 class QKVShareConfig(PreTrainedConfig):
     r"""Configuration of a QKVShare model.
@@ -172,19 +306,11 @@ class QKVShareConfig(PreTrainedConfig):
             phi(z)^T n_t, default True; False is the paper's formula exactly).
 
     The remaining fields follow `LlamaConfig`. Use `QKVShareConfig.from_preset(name, variant, **overrides)`.
+    Every bad value raises a `ValueError` naming the field, the value and what is allowed.
     """
 
     model_type = "qkvshare"
     keys_to_ignore_at_inference = ["cache"]
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
 
     vocab_size: int = 32000
     hidden_size: int = 768
@@ -204,7 +330,7 @@ class QKVShareConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
-    attention_dropout: int | float | None = 0.0
+    attention_dropout: int | float = 0.0
     mlp_bias: bool = False
     norm_type: str = "rmsnorm"
     mlp_type: str = "gated"
@@ -218,7 +344,7 @@ class QKVShareConfig(PreTrainedConfig):
     kv_tie_point: str = "post_rope"
     attention_kernel: str = "softmax"
     linear_attention_feature_map: str = "elu_plus_one"
-    linear_attention_decay: float = 1.0
+    linear_attention_decay: int | float = 1.0
     linear_attention_normalize: bool = True
 
     def __post_init__(self, **kwargs):
@@ -257,10 +383,29 @@ class QKVShareConfig(PreTrainedConfig):
         _choice("attention_map_pe_init", self.attention_map_pe_init, ATTENTION_MAP_PE_INITS)
         _choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _choice("linear_attention_feature_map", self.linear_attention_feature_map, LINEAR_ATTENTION_FEATURE_MAPS)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        _choice("hidden_act", self.hidden_act, tuple(ACT2FN))  # transformers' activations, as the MLPs look them up
+        sizes = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        )
+        for name in sizes:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
+        if not 0 <= self.attention_dropout < 1:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} must be in [0, 1): the probability of dropping an "
+                "attention weight in training (0 turns dropout off)."
+            )
+        if not self.norm_eps > 0:
+            raise ValueError(
+                f"norm_eps={self.norm_eps} must be > 0: it keeps the norm's division finite (1e-5 or 1e-6 are usual)."
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
@@ -313,6 +458,46 @@ class QKVShareConfig(PreTrainedConfig):
         """Whether layer `layer_idx` caches one tensor (its key and value are tied)."""
         return self.layer_sharing(layer_idx) in ("kv", "qkv")
 
+    def is_query_key_tied(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s query is its key (Q=K: no `q_proj`, symmetric scores)."""
+        return self.layer_sharing(layer_idx) in ("qk", "qkv")
+
+    def layer_projections(self, layer_idx: int) -> tuple[str, ...]:
+        """The attention projections layer `layer_idx` has, by Llama's names: QKV q,k,v,o; Q=K-V k,v,o;
+        Q-K=V q,k,o; Q=K=V k,o (a shared projection does not exist at all)."""
+        query = () if self.is_query_key_tied(layer_idx) else ("q_proj",)
+        value = () if self.is_kv_tied(layer_idx) else ("v_proj",)
+        return (*query, "k_proj", *value, "o_proj")
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel plan of the base model (transformers reads it in `post_init`), built from the layers
+        this config has; derived, never serialized, so it always matches the model.
+
+        Llama's styles: q/k/v and gate/up column-wise, o/down row-wise. transformers matches a key against a
+        module name with its layer numbers replaced by ``*``, so a key cannot name one layer: a projection that
+        some layers lack (`layer_projection_sharing`) gets the ``layers.*`` key and the other layers simply do
+        not match it. The "+" map (m weights shared by all heads) stays replicated. The linear-attention kernel
+        keeps its attention replicated: it reshapes with the full head count, which a sharded `k_proj` breaks.
+        """
+        plan = {}
+        if self.attention_kernel == "softmax":
+            present = {name for i in range(self.num_hidden_layers) for name in self.layer_projections(i)}
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                if name in present:
+                    plan[f"layers.*.self_attn.{name}"] = "rowwise" if name == "o_proj" else "colwise"
+        mlp = ("gate_proj", "up_proj", "down_proj") if self.mlp_type == "gated" else ("up_proj", "down_proj")
+        for name in mlp:
+            plan[f"layers.*.mlp.{name}"] = "rowwise" if name == "down_proj" else "colwise"
+        return plan
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: Any) -> None:
+        raise ValueError(
+            f"base_model_tp_plan={plan!r} cannot be set: the plan is derived from the config's layers. To change "
+            "rules, pass from_pretrained(..., distributed_config=DistributedConfig(tp_plan={...})) or set model.tp_plan."
+        )
+
     @property
     def needs_key_positions(self) -> bool:
         """Whether attention needs the positions of cached keys (the "+" map, or pre-RoPE tied layers)."""
@@ -345,15 +530,24 @@ class QKVShareConfig(PreTrainedConfig):
         return variant_name(self)
 
     @classmethod
-    def from_preset(cls, name: str, variant: str | None = None, **overrides: Any) -> QKVShareConfig:
+    def from_preset(cls, name: str, variant: str | None = None, **overrides: Any) -> "QKVShareConfig":
         """Build a config from a named preset, an optional paper variant and field overrides.
 
         Presets: ``tiny`` (tests), ``small`` (CPU pretraining), ``paper-300m``, ``paper-1.2b`` (the paper's
         GPT-2-style models, exact parameter counts), ``llama-300m``, ``llama-1.2b``. ``variant`` takes the paper's
         names (see `parse_variant`); explicit overrides win over both.
+
+        Unlike a plain ``QKVShareConfig(...)``, an override that is not a config field (a typo such as
+        ``projection_shareing``) is a ValueError naming the closest field (see `check_field_names`).
+
+        Token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) must lie in ``[0, vocab_size)``:
+        - a preset's own ids that do not fit an overridden ``vocab_size`` (the paper presets carry GPT-2's 50256)
+          are dropped (set to None, with a warning): they belong to another tokenizer; pass your tokenizer's ids;
+        - an id given explicitly that does not fit (or a negative one) is a ValueError.
         """
         if name not in PRESETS:
             raise ValueError(f"preset={name!r} is not a known preset; allowed: {', '.join(PRESETS)}.")
+        cls.check_field_names(overrides, f"QKVShareConfig.from_preset({name!r})")
         fields = dict(PRESETS[name])
         if variant is not None:
             heads = overrides.get("num_attention_heads", fields["num_attention_heads"])
@@ -362,12 +556,53 @@ class QKVShareConfig(PreTrainedConfig):
                 parsed.pop("attention_map_pe_dim")
             fields.update(parsed)
         fields.update(overrides)
+        _fit_token_ids(name, fields, given=overrides.keys())
         return cls(**fields)
+
+    @classmethod
+    def check_field_names(cls, names: Iterable[str], source: str) -> None:
+        """Raise a ValueError naming each of `names` that is not a config field, with the closest valid name.
+
+        `source` says where the names come from and opens the message (e.g. ``"--config_overrides"``), so the
+        command lines can reject a misspelt override before any work. Valid names: the fields of this class and
+        of transformers' `PreTrainedConfig` (``pad_token_id``, ``dtype``, ``id2label``, ...) and the keywords
+        their ``__post_init__`` accepts (``rope_theta``, ``rms_norm_eps``, ``torch_dtype``, ``num_labels``, ...).
+        """
+        valid = sorted({field.name for field in dataclasses.fields(cls)} | set(_POST_INIT_KEYWORDS))
+        unknown = [name for name in names if name not in valid]
+        if not unknown:
+            return
+        described, unmatched = [], False
+        for name in unknown:
+            closest = difflib.get_close_matches(name, valid, n=1)
+            unmatched |= not closest
+            described.append(f"{name!r} (did you mean {closest[0]!r}?)" if closest else repr(name))
+        plural = "s" if len(unknown) > 1 else ""
+        message = f"{source}: unknown config field{plural} {', '.join(described)}; fix the spelling"
+        if unmatched:
+            message += f" (valid fields: {', '.join(valid)})"
+        raise ValueError(message + ".")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
+        """transformers' `save_pretrained`; when a model saves its code with it, `auto_map` lists every head.
+
+        A model's `save_pretrained` writes only its own class into `auto_map`; listing all of
+        `AUTO_MODEL_CLASSES` (same module) lets `trust_remote_code=True` load the checkpoint as any head.
+        """
+        auto_map = getattr(self, "auto_map", None) or {}
+        for auto_class, reference in list(auto_map.items()):
+            module, _, class_name = reference.rpartition(".")
+            if AUTO_MODEL_CLASSES.get(auto_class) == class_name:  # our modeling file is in the checkpoint
+                for other_auto_class, other_class_name in AUTO_MODEL_CLASSES.items():
+                    auto_map.setdefault(other_auto_class, f"{module}.{other_class_name}")
+                break
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
 
 __all__ = [
     "QKVShareConfig",
     "ARCHITECTURE_STYLES",
+    "AUTO_MODEL_CLASSES",
     "PRESETS",
     "VARIANTS",
     "PAPER_NAMES",
