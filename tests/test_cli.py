@@ -1,0 +1,480 @@
+"""The `qkvshare` entry point, the extras, the packaging metadata and CI.
+
+- Help, version and unknown commands import neither torch nor transformers (fresh interpreters, `sys.modules`).
+- A command's light `parse` answers `--help` and bad input before torch; `light_imports` skips and then forgets
+  the package `__init__`s (a throwaway package in tmp_path records which `__init__` ran).
+- A missing extra is reported once, naming the package and the `pip install` line, exit status 2, before the
+  command runs (simulated with `sys.modules[name] = None`).
+- pyproject's extras match `qkvshare._extras.EXTRAS`, every third-party import of the package is declared, the
+  model files need only the core, one version source, the README commands and `.ci/run` agree.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import qkvshare_cli
+from qkvshare import _extras
+from qkvshare._extras import EXTRAS, MissingExtraError, check_extra, require
+from qkvshare_cli import COMMANDS, Command, light_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+MODEL_FILES = ("configuration_qkvshare", "modeling_qkvshare", "cache_qkvshare", "linear_attention_qkvshare")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------------
+_DRIVER = """
+import contextlib, io, json, sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # simulate a package that is not installed
+import qkvshare_cli
+calls = []
+for argv in {argvs!r}:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = qkvshare_cli.main(argv)
+    calls.append({{"code": code, "out": out.getvalue(), "err": err.getvalue()}})
+loaded = [m for m in ("torch", "transformers", "lm_eval", "accelerate") if sys.modules.get(m) is not None]
+left = sorted(m for m in sys.modules if m == "qkvshare" or m.startswith("qkvshare."))
+print(json.dumps({{"calls": calls, "loaded": loaded, "qkvshare_modules": left}}))
+"""
+
+
+def run_fresh(*argvs: list[str], blocked: tuple[str, ...] = ()) -> dict:
+    """Call `qkvshare_cli.main(argv)` for each argv in one new interpreter; report outputs and loaded modules."""
+    code = _DRIVER.format(argvs=list(argvs), blocked=list(blocked))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def write_package(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+@pytest.fixture
+def fake_command(tmp_path, monkeypatch):
+    """A `demo` command in a throwaway package `democmd` whose `__init__`s log that they ran (in `demolog.inits`)."""
+    write_package(
+        tmp_path,
+        {
+            "demolog.py": "inits = []\nruns = []\n",
+            "democmd/__init__.py": "import demolog\ndemolog.inits.append(__name__)\n",
+            "democmd/sub/__init__.py": "import demolog\ndemolog.inits.append(__name__)\n",
+            "democmd/sub/checks.py": "def check_n(n):\n    if n < 0:\n        raise ValueError(f'--n must be >= 0, got {n}')\n",
+            "democmd/sub/args.py": """
+                import argparse
+                from .checks import check_n  # a relative import resolves under the bare parent packages
+
+                def parse_args(argv):
+                    parser = argparse.ArgumentParser(prog="qkvshare demo")
+                    parser.add_argument("--n", type=int, default=0)
+                    for flag in ("--plot", "--broken", "--require"):
+                        parser.add_argument(flag, action="store_true")
+                    args = parser.parse_args(argv)
+                    check_n(args.n)
+                    return args
+                """,
+            "democmd/sub/run.py": """
+                import sys
+                import demolog
+
+                def main(argv):
+                    demolog.runs.append(list(argv))
+                    if "--plot" in argv:
+                        import matplotlib  # a raw optional import deep inside a command
+                    if "--broken" in argv:
+                        import no_such_module_anywhere  # not an extra: a bug, keeps its traceback
+                    if "--require" in argv:
+                        from qkvshare._extras import require
+                        require("matplotlib.pyplot", "plots", "the demo plot", hint="or pass --no_plot")
+                    return 0
+                """,
+        },
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    command = Command("democmd.sub.run:main", "a demo", parse="democmd.sub.args:parse_args")
+    monkeypatch.setitem(COMMANDS, "demo", command)
+    yield command
+    for name in [m for m in sys.modules if m == "demolog" or m.split(".")[0] == "democmd"]:
+        del sys.modules[name]
+
+
+def plots_message(feature: str, hint: str = "") -> str:
+    return (
+        f"The package matplotlib, needed by {feature}, is not installed. Install the 'plots' extra: "
+        'pip install "qkvshare[plots]" (in a source checkout: pip install -e ".[plots]")'
+        + (f"; {hint}" if hint else "")
+        + "."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 5: help, version and unknown commands without torch
+# ---------------------------------------------------------------------------------------------------------------
+def test_help_version_and_unknown_command_import_neither_torch_nor_transformers():
+    from qkvshare.version import __version__
+
+    report = run_fresh(["--help"], ["--version"], ["trian"], [])
+    helped, version, unknown, empty = report["calls"]
+    assert helped["code"] == 0 and helped["err"] == ""
+    for name, command in COMMANDS.items():
+        assert re.search(rf"^  {name} +{re.escape(command.help)}", helped["out"], re.M), name
+    assert version == {"code": 0, "out": f"qkvshare {__version__}\n", "err": ""}
+    assert unknown["code"] == 2 and unknown["out"] == ""
+    assert unknown["err"].startswith("qkvshare: unknown command 'trian'. Did you mean 'train'?")
+    assert empty["code"] == 2 and "usage: qkvshare <command>" in empty["err"]
+    assert report["loaded"] == []
+    assert report["qkvshare_modules"] == []  # nothing half-imported: a later `import qkvshare` runs __init__
+
+
+def test_console_script_is_the_light_module():
+    assert PYPROJECT["project"]["scripts"] == {"qkvshare": "qkvshare_cli:main"}
+    assert "qkvshare_cli" in PYPROJECT["tool"]["setuptools"]["py-modules"]
+    import qkvshare.cli
+
+    assert qkvshare.cli.main is qkvshare_cli.main and qkvshare.cli.COMMANDS is COMMANDS
+
+
+@pytest.mark.parametrize("name", [name for name, command in COMMANDS.items() if command.parse])
+def test_light_command_help_without_torch(name):
+    report = run_fresh([name, "--help"])
+    (helped,) = report["calls"]
+    assert helped["code"] == 0, helped["err"]
+    assert helped["out"].startswith(f"usage: qkvshare {name}")
+    assert "torch" not in report["loaded"]
+    assert report["qkvshare_modules"] == []
+
+
+def test_train_bad_input_answered_before_torch(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    report = run_fresh(["train", str(missing)], ["train", "--no_such_flag", "1"])
+    recipe, flag = report["calls"]
+    assert recipe["code"] == 2 and recipe["err"].startswith("qkvshare train: error: ") and str(missing) in recipe["err"]
+    assert flag["code"] == 2 and "--no_such_flag" in flag["err"]
+    assert "torch" not in report["loaded"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parse protocol and light_imports
+# ---------------------------------------------------------------------------------------------------------------
+def test_light_imports_skips_then_forgets_the_package_inits(fake_command):
+    import demolog
+
+    with light_imports("democmd.sub.args"):
+        args = importlib.import_module("democmd.sub.args")
+        assert demolog.inits == []  # neither democmd/__init__.py nor democmd/sub/__init__.py ran
+        assert args.parse_args(["--n", "3"]).n == 3
+    assert not [m for m in sys.modules if m.split(".")[0] == "democmd"]
+    assert args.parse_args(["--n", "4"]).n == 4  # objects obtained inside keep working
+    import democmd.sub.args  # noqa: F401  (now the real import: both __init__ run, once)
+
+    assert demolog.inits == ["democmd", "democmd.sub"]
+
+
+def test_parse_protocol_answers_help_and_bad_values_before_the_command(fake_command, capsys):
+    import demolog
+
+    assert qkvshare_cli.main(["demo", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: qkvshare demo")
+    assert qkvshare_cli.main(["demo", "--n", "x"]) == 2
+    assert "invalid int value: 'x'" in capsys.readouterr().err
+    assert qkvshare_cli.main(["demo", "--n", "-1"]) == 2
+    assert capsys.readouterr().err == "qkvshare demo: error: --n must be >= 0, got -1\n"
+    assert demolog.runs == [] and demolog.inits == []  # the command never ran, its packages never initialised
+    assert qkvshare_cli.main(["demo", "--n", "5"]) == 0
+    assert demolog.runs == [["--n", "5"]] and demolog.inits == ["democmd", "democmd.sub"]
+
+
+def test_parse_module_breaking_the_protocol_falls_back_to_the_command(fake_command, tmp_path, monkeypatch):
+    import demolog
+
+    (tmp_path / "democmd/sub/bad_args.py").write_text("from democmd import NOT_IN_THE_INIT\n")
+    importlib.invalidate_caches()
+    monkeypatch.setitem(COMMANDS, "demo", fake_command._replace(parse="democmd.sub.bad_args:parse_args"))
+    assert qkvshare_cli.main(["demo", "--n", "1"]) == 0
+    assert demolog.runs == [["--n", "1"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 1: extras
+# ---------------------------------------------------------------------------------------------------------------
+def test_missing_extra_stops_train_before_torch():
+    report = run_fresh(["train", "configs/tiny.yaml"], blocked=("accelerate",))
+    (call,) = report["calls"]
+    assert call["code"] == 2 and call["out"] == ""
+    assert call["err"] == (
+        "qkvshare train: error: The package accelerate, needed by this command, is not installed. Install the "
+        '\'train\' extra: pip install "qkvshare[train]" (in a source checkout: pip install -e ".[train]").\n'
+    )
+    assert "torch" not in report["loaded"]
+
+
+def test_missing_extra_names_every_missing_package_of_eval():
+    report = run_fresh(["eval", "outputs/some-model"], blocked=("lm_eval", "datasets"))
+    (call,) = report["calls"]
+    assert call["code"] == 2
+    assert "The packages lm-eval and datasets, needed by this command, are not installed" in call["err"]
+    assert 'pip install "qkvshare[eval]"' in call["err"]
+    assert report["loaded"] == []
+
+
+def test_extras_checked_at_dispatch_before_the_command_runs(fake_command, monkeypatch, capsys):
+    import demolog
+
+    monkeypatch.setitem(COMMANDS, "demo", fake_command._replace(extras=("plots",)))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert qkvshare_cli.main(["demo"]) == 2
+    assert capsys.readouterr().err == f"qkvshare demo: error: {plots_message('this command')}\n"
+    monkeypatch.setitem(COMMANDS, "demo", fake_command._replace(extras=("train", "plots")))
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    assert qkvshare_cli.main(["demo"]) == 2  # every missing extra in one message
+    train = "The package accelerate, needed by this command, is not installed. Install the 'train' extra: "
+    err = capsys.readouterr().err
+    assert err.startswith(f"qkvshare demo: error: {train}") and err.endswith(f"). {plots_message('this command')}\n")
+    assert demolog.runs == []
+    assert qkvshare_cli.main(["demo", "--help"]) == 0  # help still works without the extra
+
+
+def test_missing_optional_import_inside_a_command_is_one_message(fake_command, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert qkvshare_cli.main(["demo", "--plot"]) == 2  # a raw `import matplotlib`
+    assert capsys.readouterr().err == f"qkvshare demo: error: {plots_message('this command')}\n"
+    assert qkvshare_cli.main(["demo", "--require"]) == 2  # through the library helper: its own wording
+    assert capsys.readouterr().err == f"qkvshare demo: error: {plots_message('the demo plot', 'or pass --no_plot')}\n"
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_anywhere"):  # not an extra: a real bug
+        qkvshare_cli.main(["demo", "--broken"])
+
+
+def test_require_and_check_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingExtraError) as info:
+        require("matplotlib.pyplot", "plots", "qkvshare bench's plots")
+    assert isinstance(info.value, ModuleNotFoundError) and info.value.name == "matplotlib"
+    assert str(info.value) == plots_message("qkvshare bench's plots")
+    assert _extras.missing_packages("plots") == ["matplotlib"]
+    with pytest.raises(MissingExtraError, match=r"^The package matplotlib, needed by the figures, .*qkvshare\[plots\]"):
+        check_extra("plots", "the figures")
+    with pytest.raises(ValueError, match="'yaml' is not in the 'plots' extra"):
+        require("yaml", "plots", "x")
+    with pytest.raises(ValueError, match="unknown extra 'plot'; the extras are train, eval, plots, wandb"):
+        check_extra("plot", "x")
+    # The package is there but one of its own dependencies is not: report that, not a missing extra.
+    write_package(tmp_path, {"fakeplot/__init__.py": "import fakeplot_dependency_xyz\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(EXTRAS, "fake", {"fakeplot": "fakeplot"})
+    with pytest.raises(ModuleNotFoundError) as info:
+        require("fakeplot", "fake", "x")
+    assert type(info.value) is ModuleNotFoundError and info.value.name == "fakeplot_dependency_xyz"
+    assert _extras.missing_packages("fake") == []
+
+
+def test_extras_match_pyproject():
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] for r in requirements}
+
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for extra, modules in EXTRAS.items():
+        assert names(extras[extra]) == set(modules.values()), extra
+    assert extras["all"] == ["qkvshare[train,eval,plots]"]
+    assert names(extras["dev"]) == {"qkvshare", "pytest", "ruff", "peft"} and "qkvshare[all]" in extras["dev"]
+    assert names(PYPROJECT["project"]["dependencies"]) == {"torch", "transformers", "safetensors"}
+    for name, command in COMMANDS.items():
+        assert set(command.extras) <= set(EXTRAS), name
+
+
+def _third_party_imports(path: Path) -> list[tuple[str, int]]:
+    """(top-level module, line) of every absolute import in a file, at any depth, minus stdlib and our own."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            tops = [alias.name.partition(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops = [node.module.partition(".")[0]]
+        else:
+            continue
+        found += [(top, node.lineno) for top in tops if top not in sys.stdlib_module_names]
+    return [(top, line) for top, line in found if top not in ("qkvshare", "qkvshare_cli", "__future__")]
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# Imported only when installed, by no command: qkvshare/__init__.py registers PEFT's default LoRA targets for
+# model_type "qkvshare" when peft is there (peft is in the dev extra for its tests).
+OPTIONAL_INTEGRATIONS = {"peft"}
+
+
+def test_every_third_party_import_is_declared():
+    """Model files need only the core; every other import is the core's, an extra's, or what those install."""
+    distributions = importlib.metadata.packages_distributions()
+
+    def name_of(requirement: str) -> str:
+        return _normalize(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0])
+
+    def with_their_requirements(names: set[str]) -> set[str]:
+        """The distributions and what each always installs (transformers -> pyyaml, tqdm, numpy, ...)."""
+        out = set(names)
+        for name in names:
+            try:
+                out |= {name_of(r) for r in importlib.metadata.requires(name) or () if "extra ==" not in r}
+            except importlib.metadata.PackageNotFoundError:  # an extra that is not installed here (wandb)
+                pass
+        return out
+
+    project = PYPROJECT["project"]
+    core = with_their_requirements({name_of(r) for r in project["dependencies"]})
+    extras = with_their_requirements({_normalize(p) for modules in EXTRAS.values() for p in modules.values()})
+    assert set(OPTIONAL_INTEGRATIONS) <= {name_of(r) for r in project["optional-dependencies"]["dev"]}
+
+    def providers(module: str) -> set[str]:
+        declared = {_normalize(p) for modules in EXTRAS.values() for m, p in modules.items() if m == module}
+        return {_normalize(d) for d in distributions.get(module, ())} | declared
+
+    files = sorted((ROOT / "qkvshare").rglob("*.py")) + [ROOT / "qkvshare_cli.py"]
+    assert len(files) > 20
+    problems = []
+    for path in files:
+        model_file = path.parent == ROOT / "qkvshare" and path.stem in MODEL_FILES
+        allowed = core if model_file else core | extras | OPTIONAL_INTEGRATIONS
+        for module, line in _third_party_imports(path):
+            if not providers(module) & allowed:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {module} ({sorted(providers(module))})")
+    assert problems == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# items 3 and 4: one version, license, changelog
+# ---------------------------------------------------------------------------------------------------------------
+def test_one_version_source():
+    import qkvshare
+    from qkvshare.version import __version__
+
+    assert "version" not in PYPROJECT["project"] and PYPROJECT["project"]["dynamic"] == ["version"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "qkvshare.version.__version__"}
+    tree = ast.parse((ROOT / "qkvshare/version.py").read_text())  # setuptools reads a literal statically
+    literals = [n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)]
+    assert literals == [__version__] and re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+    assert qkvshare.__version__ == __version__
+    assert re.search(rf"^## \[{re.escape(__version__)}\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
+
+
+def test_license_matches_pyproject():
+    text = (ROOT / "LICENSE").read_text()
+    assert PYPROJECT["project"]["license"] == "Apache-2.0" and PYPROJECT["project"]["license-files"] == ["LICENSE"]
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+    assert len(text.splitlines()) == 202  # the full standard text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 2: the README commands, CI, .gitignore
+# ---------------------------------------------------------------------------------------------------------------
+def _readme_commands() -> tuple[str, str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Two commands") :].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    assert len(blocks) == 2, blocks
+    return blocks[0], blocks[1]
+
+
+def test_readme_main_job_installs_what_train_needs():
+    main_job, _ = _readme_commands()
+    install, run = re.fullmatch(
+        r"pip install torch==\S+ && pip install -e (\S+) && (qkvshare train \S+)", main_job
+    ).groups()
+    extras = re.fullmatch(r'"\.\[([a-z,]+)\]"', install).group(1).split(",")
+    assert set(COMMANDS["train"].extras) <= set(extras)
+    assert (ROOT / run.split()[-1]).is_file()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    _, tests = _readme_commands()
+    assert tests == 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
+    assert re.search(rf"^{re.escape(tests)} \|\| status=1$", (ROOT / ".ci/run").read_text(), re.M)
+
+
+CI_SUCCESS = [
+    "python -m pip install --quiet --upgrade pip",
+    "pip install torch==2.13.0",
+    "pip install -e .[dev]",
+    "python -m pytest -q",
+    "ruff check .",
+    "ruff format --check .",
+]
+
+
+def _shim(path: Path, name: str, then: str = "") -> None:
+    """A fake `name` that logs its arguments, fails when they are $CI_FAIL, else runs `then`."""
+    path.write_text(
+        f'#!/usr/bin/env bash\necho "{name} $*" >> "$CI_LOG"\n[ "{name} $*" = "$CI_FAIL" ] && exit 1\n{then}\nexit 0\n'
+    )
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize(
+    ("fail", "status", "calls"),
+    [
+        (None, 0, CI_SUCCESS),
+        ("python -m pytest -q", 1, CI_SUCCESS),
+        ("ruff check .", 1, CI_SUCCESS),
+        ("ruff format --check .", 1, CI_SUCCESS),
+        ("pip install -e .[dev]", 1, CI_SUCCESS[:3]),
+    ],
+)
+def test_ci_script_fails_when_any_step_fails(tmp_path, fail, status, calls):
+    """`.ci/run` with python3, pip, python and ruff replaced by logging shims; `fail` is the step that fails."""
+    repo, shims = tmp_path / "repo", tmp_path / "shims"
+    venv = repo / ".venv"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci/run").write_text((ROOT / ".ci/run").read_text())
+    shims.mkdir()
+    # `python3 -m venv .venv` gives pip and python; the dev extra (`pip install -e .[dev]`) brings ruff.
+    _shim(shims / "ruff", "ruff")
+    _shim(shims / "python", "python")
+    _shim(shims / "pip", "pip", f'[ "$*" = "install -e .[dev]" ] && cp {shims}/ruff {venv}/bin/ruff')
+    (shims / "bin").mkdir()
+    _shim(
+        shims / "bin/python3",
+        "python3",
+        f"mkdir -p {venv}/bin && cp {shims}/pip {shims}/python {venv}/bin/ && "
+        f"printf 'export VIRTUAL_ENV={venv}\\nexport PATH={venv}/bin:$PATH\\n' > {venv}/bin/activate",
+    )
+    env = {**os.environ, "PATH": f"{shims}/bin:/usr/bin:/bin", "CI_LOG": str(tmp_path / "log"), "CI_FAIL": fail or ""}
+    proc = subprocess.run(["bash", str(repo / ".ci/run")], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr
+    assert (tmp_path / "log").read_text().splitlines() == ["python3 -m venv .venv", *calls]
+    assert ("ruff is not in" in proc.stderr) == (fail == "pip install -e .[dev]")
+
+
+def test_default_outputs_are_ignored_by_git():
+    sources = "\n".join(p.read_text() for p in (ROOT / "qkvshare").rglob("*.py"))
+    defaults = set(re.findall(r"""["']--output_dir["'],\s*default=["']([^"']+)["']""", sources))
+    defaults |= set(re.findall(r"""\boutput_dir(?:: str =|=)\s*(?:field\(\s*default=)?["']([^"']+)["']""", sources))
+    defaults |= {
+        m for p in (ROOT / "configs").rglob("*.yaml") for m in re.findall(r"^output_dir: (\S+)", p.read_text(), re.M)
+    }
+    assert {"eval_results", "outputs/bench", "outputs/compare", "outputs/synthetic", "outputs/cpu-small"} <= defaults
+    paths = [f"{d}/file" for d in sorted(defaults)] + ["runs/events", "wandb/run"]
+    proc = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(proc.stdout.split()) == sorted(paths)
