@@ -4,6 +4,10 @@ preset and produce every table and plot, `analyze` matches a direct computation.
 import inspect
 import json
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,8 @@ import torch
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.analysis import bench, compare, costs, weights
 from qkvshare.analysis.common import base_config, default_variants, variant_config
+from qkvshare.analysis.conventions import slug
+from qkvshare.train.model import llama_twin_config
 
 PAPER_VARIANTS = ["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-4", "Q-GQA-4", "MQA", "Q-MQA"]
 
@@ -69,7 +75,7 @@ def test_costs_analytic_equals_meta_model_for_other_shapes():
     # independent of our model code: the Llama-style formula against transformers' own Llama on the meta device
     cfg = variant_config(base, "GQA-4")
     with torch.device("meta"):
-        llama = LlamaForCausalLM(LlamaConfig(**bench.llama_config_for(cfg, 4, "sdpa").to_dict()))
+        llama = LlamaForCausalLM(LlamaConfig(**llama_twin_config(cfg).to_dict()))
     assert sum(p.numel() for p in llama.parameters()) == costs.parameter_counts(cfg)["total"]
 
 
@@ -84,9 +90,170 @@ def test_costs_cli_markdown_json_and_errors(tmp_path, capsys):
     assert costs.main(["--preset", "nope"]) == 2
     assert "preset='nope' is not a known preset" in capsys.readouterr().err
     assert costs.main(["--preset", "tiny", "--override", "hiden_size=3"]) == 2
-    assert "'hiden_size' is not a QKVShareConfig field" in capsys.readouterr().err
+    assert "unknown config field 'hiden_size' (did you mean 'hidden_size'?)" in capsys.readouterr().err
     assert costs.main(["--preset", "tiny", "--variants", "GQA-3"]) == 2
     assert "3 key/value heads must divide" in capsys.readouterr().err
+
+
+def test_costs_lengths_stop_at_the_model_positions(tmp_path, capsys):
+    out = tmp_path / "costs.json"
+    argv = ["--preset", "tiny", "--no_meta_check", "--variants", "QKV", "Q-K=V", "--format", "json"]
+    assert costs.main(argv + ["--output", str(out)]) == 0  # tiny: 128 positions
+    report = json.loads(out.read_text())
+    assert report["seq_lens"] == [128] and report["context_lens"] == [128]
+    assert report["beyond_positions"] == {"seq_lens": [], "context_lens": []}
+    assert report["notes"] == [
+        "Default --seq_lens capped at the model's max_position_embeddings=128 (dropped 512, 1024, 2048, 4096, 8192); "
+        "pass --seq_lens to ask for other lengths.",
+        "Default --context_lens capped at the model's max_position_embeddings=128 (dropped 2048, 32000); pass "
+        "--context_lens to ask for other lengths.",
+    ]
+    assert report["variants"][1]["kv_cache_bytes"]["fp16"] == {"128": 128 * 256}
+    capsys.readouterr()
+    # paper-300m (2048 positions): defaults stop at 2048; asked-for longer lengths are kept and marked
+    assert costs.main(["--preset", "paper-300m", "--no_meta_check", "--variants", "QKV"]) == 0
+    md = capsys.readouterr().out
+    assert "MACs T=2048 |" in md and "T=4096" not in md and "(dropped 4096, 8192)" in md
+    assert (
+        costs.main(
+            [
+                "--preset",
+                "paper-300m",
+                "--no_meta_check",
+                "--variants",
+                "QKV",
+                "--seq_lens",
+                "2048",
+                "4096",
+                "--context_lens",
+                "32000",
+            ]
+        )
+        == 0
+    )
+    md = capsys.readouterr().out
+    assert "| MACs T=2048 | attn share T=2048 | vs QKV T=2048 | MACs T=4096* |" in md
+    assert "fp16 @ 32,000 tok* |" in md and "| 2.62 GB |" in md
+    assert "* 4096, 32000 tokens: beyond the model's max_position_embeddings=2048." in md and "capped" not in md
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# command-line conventions
+# ----------------------------------------------------------------------------------------------------------------
+def _help_blocks(text: str) -> dict[str, str]:
+    """Each argument's help text in argparse `--help` output, keyed by its first flag (or positional name)."""
+    blocks, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^  (-[^\s,]+|[a-z]\w*)( |,|$)", line)
+        if m:
+            current = m.group(1)
+            blocks[current] = line
+        elif current and line.startswith("   "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+def _parsers():
+    from qkvshare.evaluation import harness, perplexity
+    from qkvshare.synthetic import sweep
+
+    return {
+        "eval": harness.parse_args,
+        "perplexity": perplexity.parse_args,
+        "synthetic": sweep.parse_args,
+        "costs": costs.build_parser().parse_args,
+        "bench": bench.parse_args,
+        "compare": compare.build_parser().parse_args,
+        "analyze": weights.build_parser().parse_args,
+    }
+
+
+@pytest.mark.parametrize("command", ["eval", "perplexity", "synthetic", "costs", "bench", "compare", "analyze"])
+def test_help_prints_each_default_once(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _parsers()[command](["--help"])
+    assert exit_.value.code == 0
+    blocks = _help_blocks(capsys.readouterr().out)
+    assert len(blocks) > 2
+    for block in blocks.values():
+        assert block.count("default") <= 1, (command, block)
+    expected = {
+        "eval": ("--num_fewshot", "(default: 5)"),
+        "perplexity": ("--batch_size", "(default: 4)"),
+        "synthetic": ("--train_size", "(default: 10000)"),
+        "costs": ("--dtypes", "(default: ['fp16'])"),
+        "bench": ("--new_tokens", "(default: 16)"),
+        "compare": ("--max_steps", "(default: 500)"),
+        "analyze": ("--format", "(default: markdown)"),
+    }
+    flag, default = expected[command]
+    assert default in blocks[flag]
+    assert "(default: True)" not in blocks["-h"] + blocks.get("--no_plots", "") + blocks.get("--core", "")
+    if "--dtype" in blocks:
+        assert blocks["--dtype"].count("(aliases fp32, bf16, fp16)") == 1
+
+
+LIGHT_PARSE = """
+import contextlib, importlib, io, json, sys
+from qkvshare_cli import light_imports
+calls = []
+for target, argv in {calls!r}:
+    module, _, function = target.partition(":")
+    out, err = io.StringIO(), io.StringIO()
+    with light_imports(module), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            getattr(importlib.import_module(module), function)(argv)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    calls.append([code, out.getvalue(), err.getvalue()])
+heavy = [m for m in ("torch", "transformers", "lm_eval", "datasets", "safetensors", "matplotlib") if m in sys.modules]
+print(json.dumps({{"calls": calls, "heavy": heavy}}))
+"""
+
+
+def test_command_parsers_answer_without_torch():
+    # The `parse` functions the `qkvshare` entry point may call before importing a command (qkvshare_cli's
+    # protocol): --help and usage errors are answered, and neither torch nor another heavy library is imported.
+    root = Path(__file__).resolve().parents[1]
+    calls = [
+        ("qkvshare.evaluation.harness:parse_args", ["--help"]),
+        ("qkvshare.evaluation.harness:parse_args", ["--dtype", "fp64"]),
+        ("qkvshare.evaluation.perplexity:parse_args", ["--help"]),
+        ("qkvshare.evaluation.perplexity:parse_args", ["model"]),
+        ("qkvshare.synthetic.sweep:parse_args", ["--help"]),
+        ("qkvshare.analysis.weights:parse_args", ["--help"]),
+        ("qkvshare.analysis.weights:parse_args", ["model", "--format", "csv"]),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    code = LIGHT_PARSE.format(calls=calls)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["heavy"] == []
+    (help_eval, bad_dtype, help_ppl, no_source, help_syn, help_analyze, bad_format) = report["calls"]
+    assert help_eval[0] == 0 and "usage: qkvshare eval" in help_eval[1]
+    assert bad_dtype[0] == 2 and "'fp64' is not a dtype" in bad_dtype[2]
+    assert help_ppl[0] == 0 and "usage: qkvshare perplexity" in help_ppl[1]
+    assert no_source[0] == 2 and "give exactly one of --validation_file and --dataset_name" in no_source[2]
+    assert help_syn[0] == 0 and "--map_pe_init" in help_syn[1]
+    assert help_analyze[0] == 0 and "usage: qkvshare analyze" in help_analyze[1]
+    assert bad_format[0] == 2 and "invalid choice: 'csv'" in bad_format[2]
+
+
+def test_slug_is_the_one_file_name_helper():
+    from qkvshare.evaluation import harness
+    from qkvshare.synthetic.sweep import Cell, model_dir_name
+
+    assert slug("Q-K=V") == "Q-K_eq_V" and slug("(Q=K=V)+") == "Q_eq_K_eq_V_plus"
+    assert slug("outputs/cpu-small") == "outputs_cpu-small" and slug("/abs/org/model/") == "abs_org_model"
+    assert slug("..") == "_" and slug("../x") == "x" and slug("a b?c") == "a_b_c"
+    cell = Cell("(Q=K-V)+", "copy", 32, 1, 2, 8, 0, 1, 1, 1, 1, 1e-3, 0.05, 5.0, "xavier", "sdpa")
+    assert model_dir_name(cell) == "copy_Q_eq_K-V_plus_e32_l1_h2_t8_s0"
+    assert not hasattr(harness, "sanitize")
+    assert harness.result_dirs(["org/model"], "/o") == {"org/model": Path("/o/org_model")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,8 +266,18 @@ def test_bench_end_to_end_tiny(tmp_path):
             "--new_tokens", "2", "--repeats", "1", "--warmup", "0", "--train_batch_size", "2", "--train_seq_len", "8",
             "--train_steps", "1", "--budget_mib", "1", "--output_dir", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
-    for name in ("bench.md", "bench.json", "cache.md", "decode.md", "capacity.md", "train.md", "cache_memory.png",
-                 "decode_tokens_per_s.png"):  # fmt: skip
+    for name in (
+        "bench.md",
+        "bench.json",
+        "parity.md",
+        "by_variant.md",
+        "cache.md",
+        "decode.md",
+        "capacity.md",
+        "train.md",
+        "cache_memory.png",
+        "decode_tokens_per_s.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     report = json.loads((out / "bench.json").read_text())
     models = variants + ["Llama", "Llama GQA-2", "Llama MQA"]
@@ -122,13 +299,99 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert cap["Q-K=V"]["vs_qkv"] == 2.0 and cap["Q-MQA"]["vs_qkv"] == 8.0
     assert cap["QKV"]["longest_context"] == 2**20 // 1024 and all(r["linear"] for r in cap.values())
     assert {r["model"] for r in report["train"]} == set(models)
-    assert all(r["tokens_per_s"] > 0 for r in report["train"])
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_cpu_s"] > 0 for r in report["train"])
+    params = {r["model"]: r["parameters"] for r in report["train"]}
+    assert (
+        params["QKV"]
+        == params["Llama"]
+        == sum(p.numel() for p in QKVShareForCausalLM(variant_config(base_config("tiny"), "QKV")).parameters())
+    )
+    assert params["Q-K=V"] == params["QKV"] - 2 * 64 * 64  # no v_proj in either layer
+    # the summary tables: `none` vs its Llama twin (same weights), and decode/cache per variant at batch 2
+    parity = _table_rows((out / "parity.md").read_text())
+    assert [row[0] for row in parity[:2]] == [
+        "QKV: prefill, batch 1, context 8",
+        "QKV: decode per token, batch 1, context 8",
+    ]
+    assert len(parity) == 2 * 2 * 2 * 2  # (QKV, GQA-2) x (prefill, decode) x 2 batches x 2 contexts
+    decode = {(r["model"], r["batch"], r["context"]): r for r in report["decode"]}
+    qkv_16 = decode[("QKV", 2, 16)]
+    assert parity[-1][1:] == [
+        f"{decode[('Llama GQA-2', 2, 16)]['ms_per_step']:.4g}",
+        f"{decode[('GQA-2', 2, 16)]['ms_per_step']:.4g}",
+        f"{decode[('GQA-2', 2, 16)]['ms_per_step_vs_llama']:.3f}",
+    ]
+    by_variant = {row[0]: row for row in _table_rows((out / "by_variant.md").read_text())}
+    assert list(by_variant) == variants
+    assert by_variant["QKV"][1:3] == [f"{decode[('QKV', 2, T)]['ms_per_step']:.4g}" for T in (8, 16)]
+    assert by_variant["Q-K=V"][5:] == ["0.500", "yes"] and by_variant["Q-MQA"][5:] == ["0.125", "yes"]
+    assert qkv_16["cache_bytes"] == qkv_16["theory_bytes"] == 2 * 2 * 2 * 4 * 16 * 16 * 4
     # tables: one row per (model, context) / (model, batch, context) / model
     assert len(_table_rows((out / "cache.md").read_text())) == len(models) * 2
     decode_rows = _table_rows((out / "decode.md").read_text())
     assert len(decode_rows) == len(models) * 4 and decode_rows[0][0] == "QKV (Llama weights)"
     assert [row[0] for row in _table_rows((out / "capacity.md").read_text())] == models
     assert len(_table_rows((out / "train.md").read_text())) == len(models)
+
+
+def test_bench_tie_points_and_core_settings(tmp_path):
+    out = tmp_path / "bench"
+    argv = [
+        "--preset",
+        "tiny",
+        "--variants",
+        "QKV",
+        "Q-K=V",
+        "--kv_tie_points",
+        "post_rope",
+        "pre_rope",
+        "--sections",
+        "cache",
+        "decode",
+        "--context_lens",
+        "8",
+        "--batch_sizes",
+        "1",
+        "--new_tokens",
+        "1",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
+    assert bench.main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    cache = {r["model"]: r for r in report["cache"]}
+    assert list(cache) == ["QKV", "Q-K=V (post_rope)", "Q-K=V (pre_rope)", "Llama"]
+    # a pre-RoPE tie caches one tensor plus the int64 position of every token; theory counts both
+    kv_bytes = 2 * 4 * 16 * 8 * 4  # layers x heads x head_dim x tokens x fp32, one tensor
+    assert cache["Q-K=V (post_rope)"]["measured_bytes"] == kv_bytes
+    assert cache["Q-K=V (pre_rope)"]["measured_bytes"] == cache["Q-K=V (pre_rope)"]["theory_bytes"] == kv_bytes + 8 * 8
+    assert [row[0] for row in _table_rows((out / "by_variant.md").read_text())] == list(cache)[:3]
+
+    core = bench.parse_args(["--core"])
+    assert core.variants == ["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-2", "Q-GQA-2", "MQA", "Q-MQA"]
+    assert core.kv_tie_points == ["post_rope", "pre_rope"] and core.batch_sizes == [4]
+    assert core.context_lens == [128, 512, 1024] and core.preset is None  # the default shape: small
+    given = bench.parse_args(["--core", "--batch_sizes", "1", "--preset", "tiny"])
+    assert given.batch_sizes == [1] and given.preset == "tiny" and given.kv_tie_points == ["post_rope", "pre_rope"]
+    assert bench.parse_args([]).kv_tie_points is None and bench.parse_args([]).batch_sizes == [1, 4]
+
+
+def test_interleaved_rotates_order_and_drops_warmup():
+    cands = [bench.Candidate(name, None, False, 1, None) for name in "ABC"]
+    calls = []
+
+    def fn(c):
+        calls.append(c.name)
+        return {"i": len(calls)}
+
+    runs = bench.interleaved(cands, reps=2, warmup=1, fn=fn, desc="t")
+    assert calls == list("ABCBCACAB")  # each round starts one further along
+    assert runs == {"A": [{"i": 6}, {"i": 8}], "B": [{"i": 4}, {"i": 9}], "C": [{"i": 5}, {"i": 7}]}
+    assert bench.median(runs["A"], "i") == 7
 
 
 def test_bench_rejects_bad_input(capsys):
@@ -138,6 +401,11 @@ def test_bench_rejects_bad_input(capsys):
     assert "is not a known variant" in capsys.readouterr().err
     assert bench.main(["--preset", "tiny", "--timer", "cpu", "--device", "cuda"]) == 2
     assert "--timer cpu measures host CPU time" in capsys.readouterr().err
+    assert bench.main(["--preset", "tiny", "--device", "gpu0"]) == 2
+    assert "--device 'gpu0' is not a device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--kv_tie_points", "mid_rope"])
+    assert "invalid choice: 'mid_rope'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,9 +7,12 @@ offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE), fp32 on CPU, with `--limit 3` pe
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,8 +24,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DistilBertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.analysis.conventions import DTYPE_NAMES, slug
 from qkvshare.cli import main as cli
-from qkvshare.evaluation.common import kv_cache_bytes_per_token
+from qkvshare.evaluation import harness
+from qkvshare.evaluation import perplexity as perplexity_cmd
+from qkvshare.evaluation.common import NonFiniteResultError, kv_cache_bytes_per_token
 from qkvshare.evaluation.perplexity import pack, perplexity, windows
 from qkvshare.evaluation.tasks import DEFAULT_TASKS, FIXTURES_DIR, OFFLINE_TASKS
 
@@ -89,13 +95,20 @@ def llama_checkpoint(checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def suite(checkpoint, llama_checkpoint, tmp_path_factory) -> Path:
-    """`qkvshare eval` on the whole five-task suite, 5-shot, on the fixtures, for two models; the output dir."""
+def suite_run(checkpoint, llama_checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    """`qkvshare eval` on the whole five-task suite, 5-shot, on the fixtures, for two models: (output dir, stdout)."""
     out = tmp_path_factory.mktemp("eval")
     argv = ["eval", str(checkpoint), str(llama_checkpoint), "--data_dir", str(FIXTURES_DIR), "--limit", str(LIMIT)]
     argv += ["--output_dir", str(out)]
-    assert cli(argv + ["--device", "cpu", "--batch_size", "16"]) == 0
-    return out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli(argv + ["--device", "cpu", "--batch_size", "16"]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def suite(suite_run) -> Path:
+    return suite_run[0]
 
 
 def test_eval_suite_five_tasks_5shot(suite, checkpoint, llama_checkpoint, loaded):
@@ -343,3 +356,172 @@ def test_perplexity_missing_text_column(checkpoint, tmp_path, capsys):
     data.write_text(json.dumps({"content": "hello"}) + "\n")
     assert cli(["perplexity", str(checkpoint), "--validation_file", str(data)]) == 2
     assert "has no column 'text' (columns: content)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 9: nothing silently wrong, nothing lost
+# ----------------------------------------------------------------------------------------------------------------
+def test_eval_prints_where_it_writes(suite_run, checkpoint, llama_checkpoint):
+    out, printed = suite_run
+    lines = printed.splitlines()
+    start = lines.index(
+        f"qkvshare eval: writing to {out.resolve()}: results_table.md and, per model, lm-eval's results JSON:"
+    )
+    end = lines.index(f"qkvshare eval: table written to {out.resolve() / 'results_table.md'}; lm-eval's results JSON:")
+    assert start < end
+    for model in (checkpoint, llama_checkpoint):
+        json_path = out.resolve() / slug(str(model)) / "results.json"
+        assert json_path.is_file()
+        assert lines[start + 1 :].index(f"  {model} -> {json_path}") < end - start  # announced before any work
+        assert f"  {model} -> {json_path}" in lines[end + 1 :]  # and again at the end
+
+
+def test_eval_refuses_two_models_with_one_results_dir(checkpoint, tmp_path, capsys):
+    argv = ["eval", str(checkpoint), f"{checkpoint}/", "--data_dir", str(FIXTURES_DIR), "--output_dir", str(tmp_path)]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "would both write their results to" in err and slug(str(checkpoint)) in err
+
+
+def test_eval_unwritable_output_dir_fails_first(checkpoint, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    argv = ["eval", str(checkpoint), "--data_dir", str(FIXTURES_DIR), "--output_dir", str(tmp_path / "a_file" / "out")]
+    assert cli(argv) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def _damage(checkpoint: Path, tmp_path: Path, case: str) -> tuple[Path, str, str]:
+    """A copy of `checkpoint` damaged as `case`: (model dir, file the message must name, what it must say)."""
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint, model)
+    weights = model / "model.safetensors"
+    if case == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) - 100])  # a download cut short
+        return model, str(weights), f"is truncated: {len(data) - 100:,} of {len(data):,} bytes"
+    if case == "header_cut":
+        weights.write_bytes(weights.read_bytes()[:50])
+        return model, str(weights), "is truncated"
+    if case == "missing":
+        weights.unlink()
+        return model, str(model), "has no weights (model.safetensors is missing)"
+    if case == "missing_shard":
+        weights.unlink()
+        QKVShareForCausalLM.from_pretrained(checkpoint).save_pretrained(model, max_shard_size="40KB")
+        shards = sorted(model.glob("model-*.safetensors"))
+        assert len(shards) > 1
+        shards[-1].unlink()
+        return model, shards[-1].name, "missing from"
+    if case == "corrupt_config":
+        config = model / "config.json"
+        config.write_text(config.read_text()[:40])
+        return model, str(config), "is not valid JSON"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["truncated", "header_cut", "missing", "missing_shard", "corrupt_config"])
+@pytest.mark.parametrize("command", ["eval", "perplexity", "analyze"])
+def test_damaged_checkpoint_files_fail_first_with_the_file_named(command, case, checkpoint, tmp_path, capsys):
+    model, named, says = _damage(checkpoint, tmp_path, case)
+    argv = [command, str(model)]
+    if command == "eval":
+        argv += ["--data_dir", str(FIXTURES_DIR), "--output_dir", str(tmp_path / "out")]
+    elif command == "perplexity":
+        (tmp_path / "t.txt").write_text("some text\n")
+        argv += ["--validation_file", str(tmp_path / "t.txt")]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and says in err, err
+    assert "Re-download the model, or re-save it with save_pretrained" in err
+    assert "Traceback" not in err and "SafetensorError" not in err
+    assert not list((tmp_path / "out").rglob("results.json"))  # eval: nothing written for a broken model
+
+
+def _with_weights(checkpoint: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `checkpoint` whose weights went through `edit(model)` (under no_grad)."""
+    model = QKVShareForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        edit(model)
+    path = tmp_path / "edited"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (checkpoint / name).exists():
+            shutil.copy(checkpoint / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("command", ["perplexity", "eval"])
+def test_non_finite_weights_are_refused_naming_the_tensor(command, value, checkpoint, tmp_path, capsys):
+    path = _with_weights(checkpoint, tmp_path, lambda m: m.model.layers[1].self_attn.k_proj.weight[0, :3].fill_(value))
+    argv = [command, str(path), "--device", "cpu"]
+    if command == "eval":
+        argv += ["--data_dir", str(FIXTURES_DIR), "--limit", "1", "--output_dir", str(tmp_path / "out")]
+    else:
+        (tmp_path / "t.txt").write_text("\n\n".join(TEXTS))
+        argv += ["--validation_file", str(tmp_path / "t.txt"), "--output_file", str(tmp_path / "ppl.json")]
+    assert cli(argv) == 2
+    captured = capsys.readouterr()
+    kind = "3 NaN, 0 inf" if value != value else "0 NaN, 3 inf"
+    assert f"has non-finite weights in 1 tensor(s): model.layers.1.self_attn.k_proj.weight ({kind} of" in captured.err
+    assert "perplexity nan" not in captured.out and not (tmp_path / "ppl.json").exists()
+    assert not list((tmp_path / "out").rglob("results.json"))
+
+
+def test_perplexity_non_finite_loss_is_reported_not_printed(checkpoint, tmp_path, capsys):
+    # Finite weights whose activations overflow float32 (final norm gain 3e38): the weight check passes, the logits
+    # are inf - inf = NaN, so the loss is NaN.
+    path = _with_weights(checkpoint, tmp_path, lambda m: m.model.norm.weight.fill_(3e38))
+    (tmp_path / "t.txt").write_text("\n\n".join(TEXTS))
+    out = tmp_path / "ppl.json"
+    argv = ["perplexity", str(path), "--validation_file", str(tmp_path / "t.txt"), "--output_file", str(out)]
+    assert cli(argv + ["--max_length", "24", "--stride", "8"]) == 1
+    captured = capsys.readouterr()
+    assert "the loss is not finite" in captured.err and "on the window of tokens 0..23" in captured.err
+    assert "its logits hold NaN or inf" in captured.err and "--dtype float32" in captured.err
+    assert "perplexity" not in captured.out and not out.exists()
+    # finite but astronomically large losses (gain 1e30): exp(mean NLL) would overflow, and says so
+    model, tok = (
+        QKVShareForCausalLM.from_pretrained(checkpoint).eval(),
+        PreTrainedTokenizerFast.from_pretrained(checkpoint),
+    )
+    with torch.no_grad():
+        model.model.norm.weight.fill_(1e30)
+    with pytest.raises(NonFiniteResultError, match=r"the perplexity overflows a float \(mean NLL .* nats per token\)"):
+        perplexity(model, tok, TEXTS, max_length=24, stride=8)
+
+
+def test_dtype_names_are_the_same_in_every_command(capsys):
+    from qkvshare.analysis import bench
+
+    parsers = {
+        "eval": lambda d: harness.parse_args(["m", "--dtype", d]).dtype,
+        "perplexity": lambda d: perplexity_cmd.parse_args(["m", "--validation_file", "f", "--dtype", d]).dtype,
+        "bench": lambda d: bench.parse_args(["--dtype", d]).dtype,
+    }
+    for name, parse in parsers.items():
+        for alias, canonical in DTYPE_NAMES.items():
+            assert parse(alias) == canonical, (name, alias)
+        assert parse("BF16") == "bfloat16"
+        with pytest.raises(SystemExit) as exit_:
+            parse("float64")
+        assert exit_.value.code == 2
+        assert "'float64' is not a dtype; use auto, float32 (fp32), bfloat16 (bf16) or float16 (fp16)" in (
+            capsys.readouterr().err
+        )
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("d.jsonl", b'{"text": "fine"}\n{"text": "cut off\n', "line 2 is not valid JSON"),
+        ("d.txt", b"good text\n\xff\xfe binary\n", "is not valid UTF-8 at line 2 (byte offset 10"),
+        ("d.txt", b"text\x00with a NUL\n", "holds a NUL byte at line 1 (byte offset 4)"),
+    ],
+)
+def test_perplexity_damaged_text_file_is_named_before_loading(name, content, message, checkpoint, tmp_path, capsys):
+    data = tmp_path / name
+    data.write_bytes(content)
+    assert cli(["perplexity", str(checkpoint), "--validation_file", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"--validation_file {str(data)!r}" in err and message in err

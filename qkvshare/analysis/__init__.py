@@ -7,5 +7,7 @@
 - `weights`: per-layer cosine similarity and effective rank of the Q, K, V projection weights of a checkpoint
   (`qkvshare analyze`).
 
-Each command module exposes `main(argv) -> int`; `common` and `plotting` hold the shared helpers.
+Each command module exposes `main(argv) -> int`; `common` (variant configs, tables) and `plotting` hold the shared
+helpers, `conventions` the command-line conventions of every `qkvshare` command (help layout, `--dtype` names, file
+names; standard library only).
 """

@@ -1,4 +1,6 @@
-"""Helpers shared by the analysis commands: building configs for variants, tables, file names.
+"""Helpers shared by the analysis commands: building configs for variants, tables.
+
+The command-line conventions of every command (help layout, `--dtype` names, file names) are in `conventions`.
 
 Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
@@ -11,35 +13,24 @@ Design notes
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from qkvshare.configuration_qkvshare import PRESETS, QKVShareConfig, parse_variant
+from qkvshare.overrides import parse_overrides as parse_override_items
 
 # The config's own model fields (everything below PreTrainedConfig's generic ones).
 MODEL_FIELDS = tuple(QKVShareConfig.__annotations__)
 
 
 def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
-    """Parse ``key=value`` strings; values are read as JSON when they parse (numbers, bools, lists), else strings."""
-    out: dict[str, Any] = {}
-    for item in items or ():
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not of the form key=value (example: --override hidden_size=512).")
-        key, value = item.split("=", 1)
-        if key not in MODEL_FIELDS:
-            raise ValueError(
-                f"override {key!r} is not a QKVShareConfig field; known fields: {', '.join(MODEL_FIELDS)}."
-            )
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    """Parse `--override key=value ...` with the syntax every command shares (`qkvshare.overrides`); keys must be
+    QKVShareConfig fields. Raises `ValueError` naming the bad item or key."""
+    overrides = parse_override_items(items, "--override")
+    QKVShareConfig.check_field_names(overrides, "--override")
+    return overrides
 
 
 def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
@@ -57,19 +48,11 @@ def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
     return QKVShareConfig(**fields)
 
 
-def load_config_dict(model_dir: str | Path) -> dict[str, Any]:
-    """Read ``config.json`` of a model directory, with a clear error when it is missing."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(
-            f"{model_dir!s} has no config.json; pass a Hugging Face model directory (save_pretrained output)."
-        )
-    return json.loads(path.read_text())
-
-
 def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
-    """The config of a QKVShare or Llama-architecture model directory."""
-    d = load_config_dict(model_dir)
+    """The config of a QKVShare or Llama-architecture model directory (a clear error for a missing or damaged one)."""
+    from qkvshare.evaluation.common import read_config_json
+
+    d = read_config_json(model_dir)
     model_type = d.get("model_type")
     if model_type == "qkvshare":
         return QKVShareConfig(**{k: v for k, v in d.items() if k in MODEL_FIELDS})
@@ -135,12 +118,6 @@ def check_variants(base: QKVShareConfig, variants: Sequence[str]) -> list[str]:
     for v in variants:
         variant_config(base, v)
     return list(variants)
-
-
-def slug(name: str) -> str:
-    """A file-system friendly name for a variant: ``Q-K=V`` -> ``Q-K_eq_V``, ``(Q=K=V)+`` -> ``Q_eq_K_eq_V_plus``."""
-    s = name.replace("=", "_eq_").replace("(", "").replace(")", "").replace("+", "_plus")
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", s)
 
 
 def human(n: float, unit: str = "") -> str:

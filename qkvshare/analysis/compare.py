@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qkvshare.analysis.common import default_variants, known_presets, markdown_table, slug
+from qkvshare.analysis.common import default_variants, known_presets, markdown_table
+from qkvshare.analysis.conventions import HelpFormatter, slug
 from qkvshare.analysis.plotting import line_plot
-from qkvshare.configuration_qkvshare import QKVShareConfig
 
 # Sized for about 30 minutes on 2 otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256
 # tokens (1.02M tokens) per variant. The `small` preset trained at about 6k tokens/s on 2 idle cores here (0.08 s
@@ -47,17 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain variants with identical data, tokens and seed and print the paper's LM table. "
         "Unknown flags go to `qkvshare train` unchanged.",
         allow_abbrev=False,  # a trainer flag must never be taken for a prefix of one of ours
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--variants", nargs="*", help="default: QKV, Q-K=V, Q=K-V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
-    p.add_argument("--output_dir", default="outputs/compare")
+    p.add_argument("--output_dir", default="outputs/compare", help="runs/<variant>/, logs/, the table and the plot")
     p.add_argument("--preset", default=DEFAULTS["preset"], help=f"model preset ({known_presets()})")
-    p.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"])
-    p.add_argument("--per_device_train_batch_size", type=int, default=DEFAULTS["per_device_train_batch_size"])
-    p.add_argument("--block_size", type=int, default=DEFAULTS["block_size"])
-    p.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
-    p.add_argument("--warmup_steps", type=int, default=DEFAULTS["warmup_steps"])
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--eval_steps", type=int, default=DEFAULTS["eval_steps"])
+    p.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"], help="optimizer steps per variant")
+    p.add_argument(
+        "--per_device_train_batch_size",
+        type=int,
+        default=DEFAULTS["per_device_train_batch_size"],
+        help="blocks per step and device",
+    )
+    p.add_argument("--block_size", type=int, default=DEFAULTS["block_size"], help="tokens per block")
+    p.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"], help="peak learning rate")
+    p.add_argument("--warmup_steps", type=int, default=DEFAULTS["warmup_steps"], help="linear warmup steps")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="initialisation and data-order seed")
+    p.add_argument("--eval_steps", type=int, default=DEFAULTS["eval_steps"], help="validation period (steps)")
     p.add_argument("--save_steps", type=int, default=DEFAULTS["save_steps"], help="checkpoint period (resume unit)")
     p.add_argument("--max_eval_samples", type=int, default=DEFAULTS["max_eval_samples"],
                    help="validation blocks (the same for every variant)")  # fmt: skip
@@ -145,6 +151,8 @@ def read_log(path: Path) -> dict[int, dict[str, float]]:
 
 def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list[dict[str, Any]]:
     """One row per finished variant: metrics of the final model, parameters, cache cut, training speed."""
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
     rows = []
     for v in variants:
         run_dir = output_dir / "runs" / slug(v)
@@ -194,6 +202,8 @@ def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qkvshare compare`."""
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
     args, passthrough = build_parser().parse_known_args(argv)
     output_dir = Path(args.output_dir)
     try:

@@ -1,6 +1,6 @@
 """`qkvshare costs`: analytic parameters, MACs and KV-cache bytes of every attention variant of a model shape.
 
-Conventions (chosen to reproduce the paper's figures for ``paper-300m`` exactly; see PAPER.md)
+Conventions (chosen to reproduce the paper's figures for ``paper-300m`` exactly; see docs/research.md, section 3)
 - Parameters: every weight and bias once; a tied LM head is not counted again. "Attention" is everything inside
   the attention modules (projections, their biases, and the m weights + 1 bias of a "+" map). The analytic count
   is cross-checked against a real `QKVShareForCausalLM` built on the meta device (no memory, no init).
@@ -20,6 +20,11 @@ Conventions (chosen to reproduce the paper's figures for ``paper-300m`` exactly;
 - KV-cache bytes per token: num_key_value_heads x head_dim per cached tensor per layer; layers with tied K/V
   (Q-K=V, Q=K=V and the Q-GQA/Q-MQA combinations) cache one tensor, others two. Context sizes use decimal GB,
   as the paper (32k = 32,000 tokens: 2.62 GB for paper-300m QKV in fp16).
+- Lengths and the model's positions: the default sequence and context lengths stop at the shape's
+  `max_position_embeddings` (ending at it), and the output says which defaults were dropped. Lengths asked for
+  explicitly are kept, and those beyond the positions are marked "*" with a note: they are what the shape would
+  cost at that length (the paper's 4096-token MACs and 32k-token caches for its 2048-position models are such
+  figures), not something the configured model can run.
 """
 
 from __future__ import annotations
@@ -38,9 +43,13 @@ from qkvshare.analysis.common import (
     parse_overrides,
     variant_config,
 )
+from qkvshare.analysis.conventions import DTYPE_BYTES, DTYPE_NAMES, HelpFormatter
 from qkvshare.configuration_qkvshare import QKVShareConfig
 
-BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+# Cache element types: the `--dtype` names of every command (and their aliases), plus the 8-bit ones.
+BYTES_PER_ELEMENT = {name: DTYPE_BYTES[c] for name, c in DTYPE_NAMES.items() if c != "auto"} | {"fp8": 1, "int8": 1}
+DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192)
+DEFAULT_CONTEXT_LENS = (2048, 32000)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,6 +140,22 @@ def kv_cache_bytes(
     return config.kv_cache_bytes_per_token(bytes_per_element) * context_len * batch_size
 
 
+def resolve_lengths(flag: str, given: list[int] | None, defaults: tuple[int, ...], limit: int, notes: list[str]):
+    """The lengths to report: ``given`` as is, else the defaults up to ``limit`` (ending at ``limit`` itself when
+    some were dropped, which ``notes`` then records)."""
+    if given is not None:
+        return list(given)
+    kept = [t for t in defaults if t <= limit]
+    dropped = [t for t in defaults if t > limit]
+    if dropped:
+        kept += [] if limit in kept else [limit]
+        notes.append(
+            f"Default --{flag} capped at the model's max_position_embeddings={limit} (dropped "
+            f"{', '.join(map(str, dropped))}); pass --{flag} to ask for other lengths."
+        )
+    return kept
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,8 +167,13 @@ def cost_report(
     dtypes: list[str],
     check_meta: bool = True,
     causal_scores: bool = False,
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Every number of the tables, JSON-serialisable. The first variant is the reference for "cut" columns."""
+    """Every number of the tables, JSON-serialisable. The first variant is the reference for "cut" columns.
+
+    Lengths beyond ``base.max_position_embeddings`` are listed under "beyond_positions" and explained in "notes"
+    (after the caller's ``notes``).
+    """
     for dt in dtypes:
         if dt not in BYTES_PER_ELEMENT:
             raise ValueError(f"dtype {dt!r} is not known; allowed: {', '.join(BYTES_PER_ELEMENT)}.")
@@ -176,10 +206,22 @@ def cost_report(
             m = row["macs"][T]
             m["attention_share"] = m["attention"] / m["total"]
             m["cut_vs_reference"] = 1 - m["total"] / ref["macs"][T]["total"]
+    limit = base.max_position_embeddings
+    beyond = {"seq_lens": [t for t in seq_lens if t > limit], "context_lens": [c for c in context_lens if c > limit]}
+    notes = list(notes or [])
+    if beyond["seq_lens"] or beyond["context_lens"]:
+        lengths = ", ".join(map(str, dict.fromkeys(beyond["seq_lens"] + beyond["context_lens"])))
+        notes.append(
+            f"* {lengths} tokens: beyond the model's max_position_embeddings={limit}. These columns are what this "
+            "shape would cost at that length; the model as configured cannot run it."
+        )
     return {
         "config": {k: getattr(base, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                   "num_attention_heads", "head_dim", "vocab_size", "mlp_type",
-                                                  "norm_type", "position_embedding_type", "tie_word_embeddings")},
+                                                  "norm_type", "position_embedding_type", "tie_word_embeddings",
+                                                  "max_position_embeddings")},
+        "beyond_positions": beyond,
+        "notes": notes,
         "reference": ref["variant"],
         "seq_lens": seq_lens,
         "context_lens": context_lens,
@@ -213,9 +255,11 @@ def format_markdown(report: dict[str, Any]) -> str:
         table.append(line)
     out += ["### Parameters", "", markdown_table(headers, table), ""]
 
+    beyond = report.get("beyond_positions", {})
     headers = ["variant"]
     for T in report["seq_lens"]:
-        headers += [f"MACs T={T}", f"attn share T={T}", f"vs {ref} T={T}"]
+        star = "*" if T in beyond.get("seq_lens", ()) else ""
+        headers += [f"MACs T={T}{star}", f"attn share T={T}{star}", f"vs {ref} T={T}{star}"]
     table = []
     for r in rows:
         line = [r["variant"]]
@@ -228,7 +272,7 @@ def format_markdown(report: dict[str, Any]) -> str:
     headers = ["variant", "cache vs " + ref, "cut"]
     for dt in report["dtypes"]:
         headers.append(f"bytes/token {dt}")
-        headers += [f"{dt} @ {C:,} tok" for C in report["context_lens"]]
+        headers += [f"{dt} @ {C:,} tok" + "*" * (C in beyond.get("context_lens", ())) for C in report["context_lens"]]
     table = []
     for r in rows:
         line = [r["variant"], f"{r['kv_cache_fraction']:.2%}", f"{r['kv_cache_cut']:.1%}"]
@@ -237,6 +281,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             line += [_gb(r["kv_cache_bytes"][dt][str(C)]) for C in report["context_lens"]]
         table.append(line)
     out += ["### KV cache per sequence (decimal units)", "", markdown_table(headers, table), ""]
+    if report.get("notes"):
+        out += [*report["notes"], ""]
     return "\n".join(out)
 
 
@@ -250,16 +296,22 @@ def _gb(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qkvshare costs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="qkvshare costs", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument("--preset", help=f"model shape preset ({known_presets()})")
     p.add_argument("--model_dir", help="a QKVShare or Llama-architecture model directory (its config.json)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
     p.add_argument("--variants", nargs="*", help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
                    "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+; g = heads/4). The first one is the reference.")  # fmt: skip
-    p.add_argument("--seq_lens", nargs="*", type=int, default=[512, 1024, 2048, 4096, 8192])
-    p.add_argument("--context_lens", nargs="*", type=int, default=[2048, 32000])
+    up_to = "up to the model's max_position_embeddings"
+    seq_default, context_default = " ".join(map(str, DEFAULT_SEQ_LENS)), " ".join(map(str, DEFAULT_CONTEXT_LENS))
+    p.add_argument(
+        "--seq_lens", nargs="*", type=int, help=f"forward lengths for MACs (default: {seq_default}, {up_to})"
+    )
+    p.add_argument("--context_lens", nargs="*", type=int, help=f"cache contexts (default: {context_default}, {up_to})")
     p.add_argument("--dtypes", nargs="*", default=["fp16"], help=f"cache dtypes ({', '.join(BYTES_PER_ELEMENT)})")
-    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format")
     p.add_argument("--causal_scores", action="store_true", help="count only the causal half of the T x T products")
     p.add_argument("--no_meta_check", action="store_true", help="skip building each variant on the meta device")
     p.add_argument("--output", help="also write the output to this file")
@@ -272,13 +324,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = base_config(args.preset, args.model_dir, parse_overrides(args.override))
         variants = check_variants(base, args.variants or default_variants(base))
-        if any(t <= 0 for t in args.seq_lens + args.context_lens):
+        for flag in ("seq_lens", "context_lens", "dtypes"):
+            if getattr(args, flag) == []:
+                raise ValueError(f"--{flag} is empty; give at least one value or leave the flag out.")
+        if any(t <= 0 for t in (args.seq_lens or []) + (args.context_lens or [])):
             raise ValueError("--seq_lens and --context_lens must be positive token counts.")
+        unknown = [dt for dt in args.dtypes if dt not in BYTES_PER_ELEMENT]
+        if unknown:
+            raise ValueError(f"--dtypes {', '.join(unknown)}: not known; allowed: {', '.join(BYTES_PER_ELEMENT)}.")
     except ValueError as err:
         print(f"qkvshare costs: {err}", file=sys.stderr)
         return 2
-    report = cost_report(base, variants, args.seq_lens, args.context_lens, args.dtypes, not args.no_meta_check,
-                         args.causal_scores)  # fmt: skip
+    notes: list[str] = []
+    seq_lens = resolve_lengths("seq_lens", args.seq_lens, DEFAULT_SEQ_LENS, base.max_position_embeddings, notes)
+    context_lens = resolve_lengths(
+        "context_lens", args.context_lens, DEFAULT_CONTEXT_LENS, base.max_position_embeddings, notes
+    )
+    report = cost_report(
+        base, variants, seq_lens, context_lens, args.dtypes, not args.no_meta_check, args.causal_scores, notes
+    )
     text = json.dumps(report, indent=2) if args.format == "json" else format_markdown(report)
     print(text)
     if args.output:

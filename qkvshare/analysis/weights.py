@@ -24,12 +24,13 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
+from qkvshare.analysis.conventions import HelpFormatter
+from qkvshare.evaluation.common import read_config_json, weight_files
 
-from qkvshare.analysis.common import load_config_dict, markdown_table
+if TYPE_CHECKING:  # torch and safetensors are imported by the functions that read weights (fast --help)
+    import torch
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
 # Which projection a dropped one is (sharing mode -> present projections), as in the core library.
@@ -37,24 +38,17 @@ _MODE_BY_PRESENT = {frozenset("qkv"): "none", frozenset("kv"): "qk", frozenset("
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a model directory (sharded via `model.safetensors.index.json` or globbed)."""
+    """The safetensors files of a model directory, each checked complete before reading (pickles are refused)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"{model_dir!s} is not a directory; pass a model directory written by save_pretrained.")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / f for f in files]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        bins = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
-        hint = f" (found {', '.join(bins)}: pickle files are never loaded; convert them to safetensors)" if bins else ""
-        raise ValueError(f"{model_dir!s} holds no *.safetensors weights{hint}.")
-    return files
+    return weight_files(model_dir, allow_pickle=False)
 
 
 def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
     """{layer: {"q"|"k"|"v": weight (out, in)}} with only the projections the checkpoint has."""
+    from safetensors import safe_open
+
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -97,6 +91,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def effective_rank(w: torch.Tensor) -> float:
     """Roy & Vetterli effective rank: exp(entropy of s / sum(s)) over the singular values s."""
+    import torch
+
     s = torch.linalg.svdvals(w.double())
     p = s / s.sum()
     p = p[p > 0]
@@ -105,6 +101,8 @@ def effective_rank(w: torch.Tensor) -> float:
 
 def energy_rank(w: torch.Tensor, fraction: float = 0.9) -> int:
     """Number of singular values that hold ``fraction`` of the squared Frobenius norm."""
+    import torch
+
     s2 = torch.linalg.svdvals(w.double()) ** 2
     cum = torch.cumsum(s2, 0) / s2.sum()
     return int(torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype)).item()) + 1
@@ -123,7 +121,13 @@ def expand_kv(w: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int)
 
 def analyze(model_dir: str | Path) -> dict[str, Any]:
     """Per-layer cosines and effective ranks of the effective W_q, W_k, W_v of a checkpoint, plus their means."""
-    config = load_config_dict(model_dir)
+    config = read_config_json(model_dir)
+    missing = [key for key in ("num_attention_heads", "hidden_size") if not isinstance(config.get(key), int)]
+    if missing:
+        raise ValueError(
+            f"{Path(model_dir) / 'config.json'} has no integer {' or '.join(missing)}: not a transformer config; "
+            "pass a QKVShare or Llama-architecture model directory."
+        )
     layers = load_qkv_weights(model_dir)
     modes = layer_modes(config, layers)
     heads = config["num_attention_heads"]
@@ -150,6 +154,8 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
+    from qkvshare.analysis.common import markdown_table  # (imports the config module: not at parse time)
+
     headers = ["layer", "mode", "cos(Q,K)", "cos(Q,V)", "cos(K,V)", "erank Q", "erank K", "erank V",
                "rank90 Q", "rank90 K", "rank90 V", "max rank Q / KV"]  # fmt: skip
 
@@ -164,16 +170,23 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qkvshare analyze", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="qkvshare analyze", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument("model", help="model directory (QKVShare or Llama-architecture; safetensors weights)")
-    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format")
     p.add_argument("--output", help="also write the output to this file")
     return p
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of `qkvshare analyze` (light: no torch import; see `qkvshare_cli`)."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qkvshare analyze`."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         report = analyze(args.model)
     except (ValueError, KeyError) as err:

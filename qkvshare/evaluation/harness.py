@@ -8,8 +8,11 @@ Design:
 - Models go through lm-eval's own `HFLM` (backend "causal") by name, so lm-eval loads, batches and scores them
   exactly as `lm_eval --model hf` would; `qkvshare` is imported first, so our checkpoints need no
   `trust_remote_code`. The JSON written per model is lm-eval's results dict, serialised as lm-eval does.
-- Everything the user can get wrong (model path, model type, tokenizer, task names, local data) is checked
-  for all models before the first one is evaluated.
+- Everything the user can get wrong (model path, model type, damaged config or weights files, tokenizer, task
+  names, local data) is checked for all models before the first one is evaluated; a model whose weights hold
+  NaN or inf is refused before it is scored.
+- Where results go is printed at the start and the end (absolute paths): one directory per model under
+  `--output_dir` (default `eval_results/`), named by `slug(model)`; two models that would share one are refused.
 - Offline mode swaps only the data source of the official tasks (see `tasks.py`), so task names, prompts,
   few-shot splits and metrics are the official ones.
 """
@@ -19,18 +22,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from tqdm.auto import tqdm
+from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument, slug
 
 from .common import (
-    DTYPES,
     EvalInputError,
     check_causal_lm,
+    check_finite_weights,
     default_device,
     kv_cache_bytes_per_token,
     load_tokenizer,
@@ -62,25 +63,21 @@ class EvalArgs:
 
 def parse_args(argv: list[str] | None) -> EvalArgs:
     """Parse the command line into `EvalArgs`."""
-    p = argparse.ArgumentParser(
-        prog="qkvshare eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="qkvshare eval", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("models", nargs="*", help="model directories or hub ids")
-    p.add_argument(
-        "--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval tasks (default: %(default)s)"
-    )
-    p.add_argument("--num_fewshot", type=int, default=5)
-    p.add_argument("--batch_size", default="8", help='an integer or "auto" (default: %(default)s)')
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval tasks")
+    p.add_argument("--num_fewshot", type=int, default=5, help="in-context examples per question")
+    p.add_argument("--batch_size", default="8", help='an integer or "auto"')
     p.add_argument("--limit", type=float, default=None, help="examples per task (int) or fraction (<1); testing only")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    add_dtype_argument(p, "float32", "weights and activations; auto: as saved")
     p.add_argument("--data_dir", default=None, help="offline: official tasks on DIR/<task>_<split>.jsonl")
-    p.add_argument("--output_dir", default="eval_results")
+    p.add_argument("--output_dir", default="eval_results", help="results JSON per model, the table, the task YAML")
     p.add_argument("--tokenizer", default=None, help="tokenizer for all models (default: saved with each model)")
-    p.add_argument("--trust_remote_code", action="store_true")
-    p.add_argument("--kv_bytes_per_element", type=int, default=2, help="bytes per cached element (default: 2, fp16)")
+    p.add_argument("--trust_remote_code", action="store_true", help="for hub models whose code is not installed")
+    p.add_argument("--kv_bytes_per_element", type=int, default=2, help="bytes per cached element (2: fp16/bf16)")
     p.add_argument("--write_task_yaml", default=None, help="with --data_dir: write the offline task YAML and exit")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="lm-eval's few-shot, numpy and torch seed")
     ns = p.parse_args(argv)
     ns.tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
     if not ns.tasks:
@@ -117,9 +114,33 @@ def check_tasks(tasks: list[str]) -> None:
         )
 
 
-def sanitize(name: str) -> str:
-    """A directory name for model `name` (lm-eval's convention: path separators become '__')."""
-    return re.sub(r"[^\w.\-]+", "__", name.strip("/")) or "model"
+def check_writable(out: Path) -> None:
+    """Create `out` now, so an unwritable `--output_dir` fails before the first model is evaluated."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".qkvshare-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise EvalInputError(
+            f"--output_dir {str(out)!r} is not writable ({err.strerror or err}); pass a directory you can write to."
+        ) from err
+
+
+def result_dirs(models: list[str], output_dir: str | Path) -> dict[str, Path]:
+    """The absolute results directory of each model, `output_dir/slug(model)`; refuses two models sharing one."""
+    out = Path(output_dir).expanduser().resolve()
+    dirs: dict[str, Path] = {}
+    for name in models:
+        path = out / slug(name)
+        other = next((m for m, d in dirs.items() if d == path), None)
+        if other is not None:
+            raise EvalInputError(
+                f"models {other!r} and {name!r} would both write their results to {path}; evaluate them in "
+                "separate runs with different --output_dir, or give them distinct names."
+            )
+        dirs[name] = path
+    return dirs
 
 
 def evaluate_model(name: str, args: EvalArgs, task_spec: list, tokenizer) -> tuple[dict, object]:
@@ -131,6 +152,7 @@ def evaluate_model(name: str, args: EvalArgs, task_spec: list, tokenizer) -> tup
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     model_args = {"pretrained": name, "dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
     lm = HFLM(backend="causal", tokenizer=tokenizer, device=device, batch_size=batch_size, **model_args)
+    check_finite_weights(lm.model, name)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     try:
         results = simple_evaluate(
@@ -172,7 +194,12 @@ def write_results_json(results: dict, path: Path) -> Path:
 
 def run(args: EvalArgs) -> str:
     """Check every input, evaluate every model, write the JSONs and the table; return the table."""
-    out = Path(args.output_dir)
+    import yaml
+    from tqdm.auto import tqdm
+
+    out = Path(args.output_dir).expanduser().resolve()
+    dirs = result_dirs(args.models, out)
+    check_writable(out)
     if args.data_dir:
         # The YAML is kept for plain `lm_eval --tasks FILE`; lm-eval's Python API takes the group as a dict
         # (given a path, TaskManager.load misreads a group file whose `task` key is a list).
@@ -185,12 +212,15 @@ def run(args: EvalArgs) -> str:
         task_spec = list(args.tasks)
     configs = {name: check_causal_lm(name, args.trust_remote_code) for name in args.models}
     tokenizers = {name: load_tokenizer(args.tokenizer or name, args.trust_remote_code) for name in args.models}
+    print(f"qkvshare eval: writing to {out}: results_table.md and, per model, lm-eval's results JSON:", flush=True)
+    for name, path in dirs.items():
+        print(f"  {name} -> {path / 'results.json'}", flush=True)
 
     rows = []
     for name in tqdm(args.models, desc="models", disable=len(args.models) < 2):
         results, model = evaluate_model(name, args, task_spec, tokenizers[name])
-        json_path = write_results_json(results, out / sanitize(name) / "results.json")
-        print(f"{name}: lm-eval results written to {json_path}")
+        json_path = write_results_json(results, dirs[name] / "results.json")
+        print(f"{name}: lm-eval results written to {json_path}", flush=True)
         rows.append(
             ModelRow(
                 name=name,
@@ -202,10 +232,11 @@ def run(args: EvalArgs) -> str:
         )
         del model
     table = markdown_table(rows, args.tasks, args.num_fewshot, args.kv_bytes_per_element)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results_table.md").write_text(table, encoding="utf-8")
     print(table)
-    print(f"table written to {out / 'results_table.md'}")
+    print(f"qkvshare eval: table written to {out / 'results_table.md'}; lm-eval's results JSON:")
+    for name, path in dirs.items():
+        print(f"  {name} -> {path / 'results.json'}")
     return table
 
 

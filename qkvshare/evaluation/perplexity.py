@@ -7,7 +7,7 @@ Definition (what the number means, and why):
 - Documents are packed into one token stream the way training packs them: `EOS doc_1 EOS doc_2 EOS ...`.
   Every token after the leading EOS is scored (each document's tokens and its closing EOS), each exactly once.
   Nothing is padded, so no padding is ever scored: the paper's released code scored EOS padding and so
-  reported inflated perplexities (PAPER.md, "Known flaw"); QKVShare never does.
+  reported inflated perplexities (docs/research.md, section 6); QKVShare never does.
 - Perplexity = exp(sum of token negative log-likelihoods / number of scored tokens) over the whole set
   (token-weighted, not an average of per-document perplexities).
 - A stream longer than the model's context (`--max_length`, default `max_position_embeddings`) is scored with
@@ -15,6 +15,8 @@ Definition (what the number means, and why):
   tokens not scored before, so every token after the first window has at least `max_length - stride`
   tokens of context (the Hugging Face "perplexity of fixed-length models" recipe, without its one lost token
   per window).
+- Never a silent "nan": a model whose weights hold NaN/inf is refused before scoring (exit 2, tensors named),
+  and a window whose loss comes out non-finite stops the run naming the window (exit 1).
 """
 
 from __future__ import annotations
@@ -25,11 +27,22 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm.auto import tqdm
+from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument
 
-from .common import DTYPES, EvalInputError, check_causal_lm, default_device, load_causal_lm, load_tokenizer
+from .common import (
+    EvalInputError,
+    NonFiniteResultError,
+    check_causal_lm,
+    check_finite_weights,
+    default_device,
+    load_causal_lm,
+    load_tokenizer,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
@@ -57,24 +70,22 @@ class PerplexityArgs:
 
 def parse_args(argv: list[str] | None) -> PerplexityArgs:
     """Parse the command line into `PerplexityArgs`."""
-    p = argparse.ArgumentParser(
-        prog="qkvshare perplexity", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="qkvshare perplexity", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="model directory or hub id")
     p.add_argument("--validation_file", default=None, help=".txt, .json, .jsonl or .csv")
-    p.add_argument("--dataset_name", default=None)
-    p.add_argument("--dataset_config_name", default=None)
-    p.add_argument("--split", default="validation")
-    p.add_argument("--text_column", default="text")
+    p.add_argument("--dataset_name", default=None, help="a hub dataset instead of a file")
+    p.add_argument("--dataset_config_name", default=None, help="its configuration (e.g. wikitext-2-raw-v1)")
+    p.add_argument("--split", default="validation", help="split of the hub dataset")
+    p.add_argument("--text_column", default="text", help="column holding the documents (not for .txt)")
     p.add_argument("--max_length", type=int, default=None, help="window length (default: max_position_embeddings)")
     p.add_argument("--stride", type=int, default=None, help="window step (default: max_length // 2)")
-    p.add_argument("--batch_size", type=int, default=4)
-    p.add_argument("--max_documents", type=int, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--trust_remote_code", action="store_true")
-    p.add_argument("--output_file", default=None)
+    p.add_argument("--batch_size", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--max_documents", type=int, default=None, help="score only the first N non-empty documents")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
+    add_dtype_argument(p, "float32", "weights and activations; auto: as saved")
+    p.add_argument("--tokenizer", default=None, help="default: the tokenizer saved with the model")
+    p.add_argument("--trust_remote_code", action="store_true", help="for hub models whose code is not installed")
+    p.add_argument("--output_file", default=None, help="also write the result as JSON here")
     ns = p.parse_args(argv)
     if (ns.validation_file is None) == (ns.dataset_name is None):
         p.error("give exactly one of --validation_file and --dataset_name")
@@ -95,6 +106,9 @@ def load_texts(args: PerplexityArgs) -> list[str]:
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise EvalInputError(f"--validation_file must end in {', '.join(FILE_BUILDERS)}; got {path.name!r}.")
+        from qkvshare.train.data import check_data_file  # the trainer's check: not UTF-8, binary, a bad JSON line
+
+        check_data_file(path, "--validation_file", args.text_column, EvalInputError)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         data = datasets.load_dataset(
             builder, data_files={"validation": str(path.resolve())}, split="validation", **kwargs
@@ -126,6 +140,8 @@ def load_texts(args: PerplexityArgs) -> list[str]:
 
 def pack(texts: list[str], tokenizer) -> torch.Tensor:
     """One 1-D token stream `EOS doc_1 EOS doc_2 EOS ... doc_n EOS` (no special tokens inside documents)."""
+    import torch
+
     eos = tokenizer.eos_token_id
     if eos is None:
         raise EvalInputError("the tokenizer has no EOS token, which separates packed documents; set eos_token.")
@@ -152,12 +168,15 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
     return out
 
 
-@torch.no_grad()
 def score(model, ids: torch.Tensor, max_length: int, stride: int, batch_size: int = 4) -> tuple[float, int]:
     """(sum of token NLLs in nats, number of scored tokens) of the stream `ids` under `model`.
 
     Windows of equal length are batched together (only the last can be shorter), so no padding exists.
+    Raises `NonFiniteResultError` naming the first window whose loss is NaN or infinite.
     """
+    import torch
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
     spans = windows(len(ids), max_length, stride)
     nll, count = 0.0, 0
@@ -172,12 +191,23 @@ def score(model, ids: torch.Tensor, max_length: int, stride: int, batch_size: in
                 break
             group.append(nxt)
         inputs = torch.stack([ids[b:e] for b, e, _ in group]).to(device)  # (B, T)
-        logits = model(input_ids=inputs).logits.float()  # (B, T, V)
+        with torch.no_grad():
+            logits = model(input_ids=inputs).logits.float()  # (B, T, V)
         logprobs = torch.log_softmax(logits[:, :-1], dim=-1)  # position t predicts token t+1
         token_nll = -logprobs.gather(-1, inputs[:, 1:, None]).squeeze(-1)  # (B, T-1)
-        for row, (b, _, first) in enumerate(group):
+        for row, (b, e, first) in enumerate(group):
             scored = token_nll[row, first - b - 1 :]  # targets first..end-1 sit at columns first-b-1..
-            nll += scored.double().sum().item()
+            window_nll = scored.double().sum().item()
+            if not math.isfinite(window_nll):
+                progress.close()
+                finite_logits = bool(torch.isfinite(logits[row]).all())
+                cause = "a target token got probability 0" if finite_logits else "its logits hold NaN or inf"
+                raise NonFiniteResultError(
+                    f"the loss is not finite ({window_nll}) on the window of tokens {b}..{e - 1} of the packed "
+                    f"text: {cause}, so no perplexity is reported. In float16/bfloat16 the logits can overflow: "
+                    "try --dtype float32; if it persists, the model's activations overflow (a damaged model)."
+                )
+            nll += window_nll
             count += scored.numel()
         i += len(group)
         progress.update(len(group))
@@ -193,6 +223,8 @@ def perplexity(
     stride = stride if stride is not None else max(1, max_length // 2)
     nll, count = score(model, ids, max_length, stride, batch_size)
     mean = nll / count
+    if mean > math.log(sys.float_info.max):
+        raise NonFiniteResultError(f"the perplexity overflows a float (mean NLL {mean:.1f} nats per token).")
     return {"perplexity": math.exp(mean), "mean_nll": mean, "tokens": count, "documents": len(texts)}
 
 
@@ -222,6 +254,7 @@ def run(args: PerplexityArgs) -> dict:
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     texts = load_texts(args)
     model = load_causal_lm(args.model, args.dtype, args.device or default_device(), args.trust_remote_code)
+    check_finite_weights(model, args.model)
     result = perplexity(model, tokenizer, texts, max_length, stride, args.batch_size)
     result |= {"max_length": max_length, "stride": stride, "args": asdict(args)}
     print(
@@ -242,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     except EvalInputError as err:
         print(f"qkvshare perplexity: error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteResultError as err:
+        print(f"qkvshare perplexity: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

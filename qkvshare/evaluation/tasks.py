@@ -3,8 +3,7 @@
 lm-eval loads a task's data with `datasets.load_dataset(dataset_path, dataset_name, **dataset_kwargs)`.
 A group YAML that lists the *built-in* tasks and overrides only those three keys (`dataset_path: json`,
 `dataset_name: null`, `dataset_kwargs: {data_files: ...}`) therefore keeps the official prompts, few-shot
-splits, metrics and task names while reading JSON-lines files (HF_NOTES.md, "Running the official tasks on
-local files offline"). Paths in `data_files` resolve against the working directory, so they are written
+splits, metrics and task names while reading JSON-lines files (docs/design.md, section 8.5). Paths in `data_files` resolve against the working directory, so they are written
 absolute.
 
 Local layout (`--data_dir DIR`): `DIR/<task>_<split>.jsonl`, one row per line in the official row schema,

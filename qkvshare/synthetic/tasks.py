@@ -8,7 +8,10 @@ classification with 10 classes and the metric is token accuracy. Data are genera
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so parsing `qkvshare synthetic` stays fast
+    import torch
 
 NUM_SYMBOLS = 10
 TASKS = ("reverse", "sort", "sub", "swap", "copy")  # the paper's table order
@@ -28,7 +31,7 @@ def task_targets(task: str, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % 2:
             raise ValueError(f"swap needs an even sequence length (it exchanges the two halves); got {x.shape[-1]}.")
         half = x.shape[-1] // 2
-        return torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        return x.roll(-half, dims=-1)  # (x[T/2:], x[:T/2]): the halves exchanged
     raise ValueError(f"task={task!r} is not a synthetic task; allowed: {', '.join(TASKS)}.")
 
 
@@ -40,6 +43,8 @@ def make_dataset(task: str, num_sequences: int, length: int, seed: int) -> tuple
         raise ValueError(
             f"need length >= 2 and num_sequences >= 1; got length={length}, num_sequences={num_sequences}."
         )
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     x = torch.randint(0, NUM_SYMBOLS, (num_sequences, length), generator=generator)
     return x, task_targets(task, x)
