@@ -305,3 +305,18 @@ def test_trained_tokenizer_has_model_length_and_chat_template(tmp_path):
     rows = datasets.Dataset.from_dict({"messages": [messages, messages[1:]]})
     rendered = rows.map(lambda row: {"text": loaded.apply_chat_template(row["messages"], tokenize=False)})
     assert rendered["text"] == [text, "user\nalpha?<|endoftext|>assistant\nbeta gamma<|endoftext|>"]
+
+
+def test_recipe_config_overrides_mapping_keeps_nulls_and_lists(tmp_path):
+    """A recipe's `config_overrides` mapping reaches the config with its YAML types (null stays None, lists stay
+    lists), not as the strings 'None' / "['none', 'kv']"."""
+    from qkvshare.train.args import load_yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("config_overrides:\n  head_dim: null\n  layer_projection_sharing: [none, kv]\n  norm_eps: 1.0e-6\n")
+    text = load_yaml(str(recipe))["config_overrides"]
+    assert parse_config_overrides(text) == {
+        "head_dim": None,
+        "layer_projection_sharing": ["none", "kv"],
+        "norm_eps": 1e-6,
+    }

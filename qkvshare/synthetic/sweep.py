@@ -43,14 +43,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from qkvshare.analysis.conventions import HelpFormatter, slug
 
 from .tasks import NUM_SYMBOLS, TASKS, make_dataset
 
+if TYPE_CHECKING:
+    import torch
+
 PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
 
-# The paper's table (PAPER.md, synthetic tasks): mean token accuracy over its whole grid.
+# The paper's table (Table 2; docs/research.md, section 4.5): mean token accuracy over its whole grid.
 PAPER_TABLE: dict[str, dict[str, float]] = {
     "QKV": {"reverse": 0.698, "sort": 0.971, "sub": 1.0, "swap": 0.588, "copy": 1.0},
     "Q=K-V": {"reverse": 0.705, "sort": 0.967, "sub": 1.0, "swap": 0.597, "copy": 1.0},
@@ -60,8 +64,8 @@ PAPER_TABLE: dict[str, dict[str, float]] = {
     "(Q=K=V)+": {"reverse": 0.581, "sort": 0.957, "sub": 1.0, "swap": 0.576, "copy": 1.0},
 }
 
-# Grid axes per named grid. "paper": the paper's grid. "default": chosen by measurement (see the report in
-# GRID_NOTES) to run in about 15 minutes on 2 CPU cores and still separate the variants.
+# Grid axes per named grid. "paper": the paper's grid. "default": chosen by measurement (see the measurements in the
+# comment on "default" below) to run in about 15 minutes on 2 CPU cores and still separate the variants.
 GRIDS: dict[str, dict[str, list[int]]] = {
     "paper": {
         "embedding_sizes": [32, 64, 256],
@@ -94,29 +98,41 @@ CSV_FIELDS = [
 class SweepArgs:
     """Arguments of `qkvshare synthetic` (each is also a command-line flag)."""
 
-    output_dir: str = "outputs/synthetic"  # where results.csv, table.md, the PNGs and the figure models go
-    grid: str = "default"  # "default" (about 15 min on 2 cores) or "paper" (the paper's full grid)
-    variants: list[str] = field(default_factory=lambda: list(PAPER_VARIANTS))  # paper names, e.g. QKV "(Q=K=V)+"
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # subset of reverse sort sub swap copy
-    embedding_sizes: list[int] | None = None  # overrides the grid's axis when given
-    layers: list[int] | None = None  # overrides the grid's axis when given
-    heads: list[int] | None = None  # overrides the grid's axis when given
-    lengths: list[int] | None = None  # overrides the grid's axis when given
-    seeds: list[int] | None = None  # overrides the grid's axis when given
-    train_size: int = 10_000  # training sequences (paper: 10k)
-    test_size: int = 2_000  # held-out sequences (paper: 2k)
-    epochs: int = 2  # paper: 2
-    batch_size: int = 128  # paper: 128
-    lr: float = 1e-3  # Adam peak learning rate (paper: 1e-3)
-    warmup_fraction: float = 0.05  # linear warmup share of the steps, then cosine to 0 (paper: 5%)
-    grad_clip: float = 5.0  # gradient-norm clip (paper: 5)
-    # init of the "+" 1x1 map: xavier (the original code's, behind the paper's synthetic numbers) | unit_scale | normal
-    map_pe_init: str = "xavier"
-    workers: int = 2  # parallel processes, one cell each
-    threads: int = 1  # torch threads per worker
-    attn_implementation: str = "sdpa"  # training backend; the attention figure always uses eager
-    map_layer: int = 0  # which layer's attention the figure shows (0: the first layer, where routing by position shows)
-    plots: bool = True  # write the PNGs (needs matplotlib)
+    # Each field's help is its flag's help text (`parse_args`); the formatter adds the default once.
+    output_dir: str = field(
+        default="outputs/synthetic", metadata={"help": "where results.csv, table.md, the PNGs and the models go"}
+    )
+    grid: str = field(default="default", metadata={"help": "default (about 15 min on 2 cores) or paper (full)"})
+    variants: list[str] = field(
+        default_factory=lambda: list(PAPER_VARIANTS), metadata={"help": 'paper names, e.g. QKV "(Q=K=V)+"'}
+    )
+    tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={"help": "a subset of these five"})
+    embedding_sizes: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
+    layers: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
+    heads: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
+    lengths: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
+    seeds: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
+    train_size: int = field(default=10_000, metadata={"help": "training sequences (paper: 10k)"})
+    test_size: int = field(default=2_000, metadata={"help": "held-out sequences (paper: 2k)"})
+    epochs: int = field(default=2, metadata={"help": "passes over the training set (paper: 2)"})
+    batch_size: int = field(default=128, metadata={"help": "sequences per step (paper: 128)"})
+    lr: float = field(default=1e-3, metadata={"help": "Adam peak learning rate (paper: 1e-3)"})
+    warmup_fraction: float = field(
+        default=0.05, metadata={"help": "linear warmup share of the steps, then cosine to 0 (paper: 0.05)"}
+    )
+    grad_clip: float = field(default=5.0, metadata={"help": "gradient-norm clip (paper: 5)"})
+    map_pe_init: str = field(
+        default="xavier", metadata={"help": 'init of the "+" map: xavier (the original code\'s), unit_scale or normal'}
+    )
+    workers: int = field(default=2, metadata={"help": "parallel processes, one cell each"})
+    threads: int = field(default=1, metadata={"help": "torch threads per worker"})
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "training backend (sdpa or eager); the attention figure always uses eager"}
+    )
+    map_layer: int = field(
+        default=0, metadata={"help": "the layer whose attention the figure shows (0: where routing by position shows)"}
+    )
+    plots: bool = field(default=True, metadata={"help": "write the PNGs (needs matplotlib)"})
 
     def axes(self) -> dict[str, list[int]]:
         if self.grid not in GRIDS:
@@ -233,16 +249,18 @@ def build_model(cell: Cell, attn_implementation: str | None = None):
 
 
 def get_lr(step: int, total_steps: int, peak: float, warmup_fraction: float) -> float:
-    """Linear warmup over `warmup_fraction` of the steps, then cosine to 0 (a pure function of the step)."""
-    warmup = max(1, math.ceil(warmup_fraction * total_steps)) if warmup_fraction > 0 else 0
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    """Linear warmup over `warmup_fraction` of the steps, then cosine to 0: `qkvshare.train.schedule.get_lr`
+    (the one home of the schedule) with a 0 floor."""
+    from qkvshare.train import schedule  # lazy: the sweep does not pay for the training stack's imports
+
+    warmup = schedule.warmup_steps_for_fraction(warmup_fraction, total_steps)
+    return schedule.get_lr(step, peak_lr=peak, warmup_steps=warmup, max_steps=total_steps, min_lr_ratio=0.0)
 
 
 def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
     """Train and evaluate one cell. Returns its CSV row and its per-step training losses."""
+    import torch
+
     torch.manual_seed(cell.seed)
     model = build_model(cell)
     # Disjoint seeds for train and test data; the shuffling generator is seeded too, so a cell is reproducible.
@@ -286,19 +304,22 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
     return {name: row[name] for name in CSV_FIELDS}, losses
 
 
-@torch.no_grad()
 def evaluate(model, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
     """Token accuracy and whole-sequence accuracy of `model` on (x, y)."""
+    import torch
+
     model.eval()
-    correct = [
-        model(input_ids=x[i : i + batch_size]).logits.argmax(-1) == y[i : i + batch_size]
-        for i in range(0, len(x), batch_size)
-    ]
+    with torch.no_grad():
+        correct = [
+            model(input_ids=x[i : i + batch_size]).logits.argmax(-1) == y[i : i + batch_size]
+            for i in range(0, len(x), batch_size)
+        ]
     correct = torch.cat(correct)
     return float(correct.float().mean()), float(correct.all(-1).float().mean())
 
 
 def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
+    import torch
     from transformers.utils import logging as hf_logging
 
     cell, save_dir, threads = job
@@ -389,6 +410,15 @@ def run_sweep(args: SweepArgs) -> SweepResult:
             curves_path, keys, args.variants, args.tasks, out / "loss_curves.png"
         )
         figure_cells = [cell for cell in cells if cell.grid_point == point]
+        missing = [cell for cell in figure_cells if not (out / "models" / model_dir_name(cell)).exists()]
+        if missing:
+            names = ", ".join(f"{c.task} {c.variant}" for c in missing[:4]) + (" ..." if len(missing) > 4 else "")
+            print(
+                f"qkvshare synthetic: attention_maps.png leaves out {len(missing)} figure cell(s) whose model is not "
+                f"in {out / 'models'} ({names}): trained by a version that named model folders differently, or "
+                "deleted. Delete their rows from results.csv to retrain them.",
+                file=sys.stderr,
+            )
         files["attention_maps_png"] = plot_attention_maps(
             figure_cells, out / "models", model_dir_name, args.variants, args.tasks, args.map_layer,
             out / "attention_maps.png",
@@ -397,9 +427,9 @@ def run_sweep(args: SweepArgs) -> SweepResult:
 
 
 def model_dir_name(cell: Cell) -> str:
-    """A filesystem-safe directory name for a cell's saved model."""
-    safe = cell.variant.replace("=", "eq").replace("(", "").replace(")", "").replace("+", "plus")
-    return f"{cell.task}_{safe}_e{cell.embedding_size}_l{cell.layers}_h{cell.heads}_t{cell.length}_s{cell.seed}"
+    """The directory name of a cell's saved model (the variant through `slug`, e.g. ``copy_Q-K_eq_V_e64_...``)."""
+    grid = f"e{cell.embedding_size}_l{cell.layers}_h{cell.heads}_t{cell.length}_s{cell.seed}"
+    return f"{cell.task}_{slug(cell.variant)}_{grid}"
 
 
 def _record(writer, csv_file, curves_file, key: str, row: dict, losses: list[float]) -> None:
@@ -441,22 +471,24 @@ def results_table(rows: list[dict], variants: list[str], tasks: list[str]) -> st
 
 
 def parse_args(argv: list[str] | None) -> SweepArgs:
+    """The command line as `SweepArgs`: one flag per field, its help from the field's metadata."""
     defaults = SweepArgs()
     parser = argparse.ArgumentParser(
         prog="qkvshare synthetic",
         description="Train the paper's synthetic encoder tasks over a grid of attention variants (resumable).",
+        formatter_class=HelpFormatter,
     )
     for f in dataclasses.fields(SweepArgs):
-        default = getattr(defaults, f.name)
+        default, help_ = getattr(defaults, f.name), f.metadata["help"]
         flag = f"--{f.name}"
         if f.name == "plots":
             parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
         elif f.name == "variants" or f.name == "tasks":
-            parser.add_argument(flag, nargs="+", default=default, help=f"default: {' '.join(default)}")
-        elif f.name in ("embedding_sizes", "layers", "heads", "lengths", "seeds"):
-            parser.add_argument(flag, nargs="+", type=int, default=None, help="overrides the grid's values")
+            parser.add_argument(flag, nargs="+", default=default, help=f"{help_} (default: {' '.join(default)})")
+        elif f.name in GRIDS["default"]:
+            parser.add_argument(flag, nargs="+", type=int, default=None, help=help_)
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=f"default: {default}")
+            parser.add_argument(flag, type=type(default), default=default, help=help_)
     return SweepArgs(**vars(parser.parse_args(argv)))
 
 

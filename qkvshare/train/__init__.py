@@ -1,8 +1,9 @@
 """Pretraining of QKVShare models with Accelerate (`qkvshare train`, `accelerate launch -m qkvshare.train`).
 
 Modules: `args` (flags and YAML recipes), `data` (corpora and packing), `tokenizer` (BPE training),
-`schedule` (warmup + cosine LR), `checkpoint` (atomic save, exact resume), `model` (config and MFU arithmetic),
-`pretrain` (the entry point and loop). Nothing here is imported by the model files.
+`schedule` (warmup + cosine LR), `checkpoint` (atomic save, verification, output-dir lock), `ranks` (decisions
+all ranks agree on), `model` (config, Llama twin and MFU arithmetic), `pretrain` (the entry point and loop).
+Nothing here is imported by the model files.
 """
 
 from .pretrain import main, train

@@ -7,11 +7,15 @@ Design notes
 - A YAML file can hold any of the flags (`qkvshare train recipe.yaml --max_steps 10`): its values become the
   parser's defaults, so flags given on the command line win. Unknown YAML keys are an error, not ignored.
 - `check_args` validates everything that needs no data or model, so bad input fails in milliseconds.
+- Every parse error (an unknown flag, with the closest known one; a bad value; broken YAML, with its line) is a
+  `TrainingSetupError`, which `qkvshare train` prints as one paragraph with exit status 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +27,22 @@ from transformers import HfArgumentParser
 
 class TrainingSetupError(ValueError):
     """Bad input found before training starts; the message says what is wrong and how to fix it."""
+
+
+# --report_to names (accelerate's trackers) -> the module that must be importable for it
+TRACKER_PACKAGES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "trackio": "trackio",
+    "comet_ml": "comet_ml",
+    "mlflow": "mlflow",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "aim": "aim",
+}
+# --attn_implementation names that need no optional package (flash_attention_2/3 need flash-attn)
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 
 @dataclass
@@ -52,7 +72,10 @@ class ModelArguments:
         default=None,
         metadata={"help": "vocab size of the trained BPE (default: the preset's vocab size, at least 320)"},
     )
-    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa (default) or eager"})
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "sdpa (default), eager, flex_attention, or flash_attention_2/3 (with flash-attn installed)"},
+    )
 
 
 @dataclass
@@ -87,7 +110,10 @@ class TrainArguments:
     """The optimisation loop, logging and checkpoints (names from `TrainingArguments`)."""
 
     output_dir: str | None = field(default=None, metadata={"help": "where the model, checkpoints and logs go"})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a run already in --output_dir"})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "delete the run already in --output_dir (once the new run's inputs are checked)"},
+    )
     max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "blocks per device per micro-step"})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "blocks per device in validation"})
@@ -116,7 +142,8 @@ class TrainArguments:
         default=None, metadata={"help": "checkpoint directory, or 'latest' (newest under output_dir/checkpoints)"}
     )
     report_to: str = field(
-        default="tensorboard", metadata={"help": "trackers, comma separated: tensorboard, wandb, none"}
+        default="tensorboard",
+        metadata={"help": "trackers, comma separated: " + ", ".join(TRACKER_PACKAGES) + ", or none"},
     )
     run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
@@ -150,44 +177,101 @@ def _field_names() -> set[str]:
     return {f.name for cls in ARGUMENT_CLASSES for f in dataclasses.fields(cls)}
 
 
+def _closest(name: str, choices: list[str] | set[str]) -> str:
+    """' (did you mean X?)' for the closest of `choices`, or '' when none is close."""
+    match = difflib.get_close_matches(name, sorted(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a recipe; keys are flag names. `config_overrides` may be a mapping."""
+    if not path.endswith((".yaml", ".yml")):
+        raise TrainingSetupError(
+            f"the recipe {path!r} must be a .yaml or .yml file (the only positional argument, before the flags); "
+            "rename it, or pass its settings as --flags."
+        )
     if not Path(path).is_file():
         raise TrainingSetupError(f"recipe {path!r} does not exist; pass the path of a YAML file (see configs/).")
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if context and start is not None and mark is not None and start.line != mark.line:
+            problem += f" ({context} that starts at line {start.line + 1})"
+        raise TrainingSetupError(
+            f"recipe {path!r} is not valid YAML{where}: {problem}; fix the file (one `flag: value` per line, "
+            "as in configs/tiny.yaml)."
+        ) from None
     if not isinstance(values, dict):
         raise TrainingSetupError(f"recipe {path!r} must be a mapping of flag names to values.")
     unknown = sorted(set(values) - _field_names())
     if unknown:
+        hints = "".join(_closest(key, _field_names()) for key in unknown[:1])
         raise TrainingSetupError(
-            f"recipe {path!r} has unknown keys {unknown}; the keys are the flags of `qkvshare train --help`."
+            f"recipe {path!r} has unknown keys {unknown}{hints}; the keys are the flags of `qkvshare train --help`."
         )
     if isinstance(values.get("config_overrides"), dict):
-        values["config_overrides"] = ",".join(f"{k}={v}" for k, v in values["config_overrides"].items())
+        from qkvshare.overrides import format_overrides
+
+        values["config_overrides"] = format_overrides(values["config_overrides"])
     return values
 
 
+class _ArgumentParser(HfArgumentParser):
+    """`HfArgumentParser` whose errors are `TrainingSetupError`s (one paragraph, exit status 2, no usage dump);
+    `recipe` names the YAML file that set the defaults, so a bad value from it is traced to it."""
+
+    recipe: str | None = None
+
+    def error(self, message: str) -> None:  # argparse calls this for every parse error
+        source = f" (a value from the recipe {self.recipe!r} unless given as a flag)" if self.recipe else ""
+        raise TrainingSetupError(f"{message}{source}; `qkvshare train --help` lists the flags and their types.")
+
+
 def parse_args(argv: list[str] | None = None) -> Arguments:
-    """Parse `[recipe.yaml] [--flag value ...]`: flags override the recipe."""
+    """Parse `[recipe.yaml] [--flag value ...]`: flags override the recipe. Raises `TrainingSetupError` for
+    an unknown flag (naming the closest known one), a value of the wrong type, or a broken recipe."""
     argv = list(argv or [])
-    parser = HfArgumentParser(ARGUMENT_CLASSES, prog="qkvshare train", description="Pretrain a QKVShare model.")
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        parser.set_defaults(**load_yaml(argv.pop(0)))
-    model, data, train = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    parser = _ArgumentParser(
+        ARGUMENT_CLASSES, prog="qkvshare train", description="Pretrain a QKVShare model.", allow_abbrev=False
+    )
+    if argv and not argv[0].startswith("-"):
+        parser.recipe = argv.pop(0)
+        parser.set_defaults(**load_yaml(parser.recipe))
+    model, data, train, rest = parser.parse_args_into_dataclasses(
+        args=argv, look_for_args_file=False, return_remaining_strings=True
+    )
+    if rest:
+        flag = next((item for item in rest if item.startswith("-")), None)
+        if flag is None:
+            raise TrainingSetupError(
+                f"unexpected argument {rest[0]!r}: the only positional argument is a recipe .yaml, given first; "
+                "everything else is a --flag followed by its value."
+            )
+        flags = {f"--{name}" for name in _field_names()}
+        raise TrainingSetupError(
+            f"unknown flag {flag!r}{_closest(flag.partition('=')[0], flags)}; `qkvshare train --help` lists the flags."
+        )
     return Arguments(model, data, train)
 
 
 def parse_config_overrides(text: str | None) -> dict[str, Any]:
-    """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`."""
-    overrides: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise TrainingSetupError(
-                f"--config_overrides item {item!r} is not key=value; write e.g. 'hidden_size=128,num_hidden_layers=2'."
-            )
-        overrides[key.strip()] = yaml.safe_load(value.strip())  # YAML scalars: ints, floats, booleans, null
+    """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`.
+
+    The syntax is `qkvshare.overrides.parse_overrides` (shared by every command); keys must be config fields.
+    """
+    from qkvshare.configuration_qkvshare import QKVShareConfig  # lazy: `qkvshare train --help` stays fast
+    from qkvshare.overrides import parse_overrides
+
+    try:
+        overrides = parse_overrides(text, "--config_overrides")
+        QKVShareConfig.check_field_names(overrides, "--config_overrides")
+    except ValueError as err:
+        raise TrainingSetupError(str(err)) from None
     return overrides
 
 
@@ -220,17 +304,99 @@ def check_args(args: Arguments) -> None:
         raise TrainingSetupError("--validation_split_percentage must be between 1 and 99.")
     if d.block_size is not None and d.block_size < 2:
         raise TrainingSetupError(f"--block_size {d.block_size} is too small; use at least 2 tokens.")
-    positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "eval_steps")  # fmt: skip
+    positive = (
+        "max_steps",
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "eval_steps",
+    )
     for name in positive:
         if getattr(t, name) < 1:
             raise TrainingSetupError(f"--{name} must be at least 1, got {getattr(t, name)}.")
     if t.save_steps < 0 or (t.save_total_limit is not None and t.save_total_limit < 1):
         raise TrainingSetupError("--save_steps must be >= 0 and --save_total_limit >= 1 (or None for no limit).")
-    if t.warmup_steps < 0 or t.learning_rate <= 0 or not 0 <= t.min_lr_ratio <= 1:
-        raise TrainingSetupError("need --warmup_steps >= 0, --learning_rate > 0 and 0 <= --min_lr_ratio <= 1.")
+    _check_numbers(args)
+    _check_attn_implementation(args.model.attn_implementation)
+    _check_report_to(t.report_to)
     if t.bf16 and t.fp16:
         raise TrainingSetupError("choose one of --bf16 and --fp16.")
     if t.push_to_hub and not t.hub_model_id:
         raise TrainingSetupError("--push_to_hub needs --hub_model_id (e.g. your-name/qkvshare-small).")
     parse_config_overrides(args.model.config_overrides)
+
+
+def _check_numbers(args: Arguments) -> None:
+    """Every float flag finite (argparse takes 'nan' and 'inf'), and each in its range."""
+    for part in (args.model, args.data, args.train):
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise TrainingSetupError(
+                    f"--{f.name} {value} is not a finite number; pass a finite value (default: {f.default})."
+                )
+    t = args.train
+    ranges = [  # (flag, value, allowed, how to read the range)
+        ("learning_rate", t.learning_rate, t.learning_rate > 0, "> 0, e.g. 3e-4"),
+        ("warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
+        ("min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "between 0 and 1"),
+        ("weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("adam_beta1", t.adam_beta1, 0 <= t.adam_beta1 < 1, "in [0, 1)"),
+        ("adam_beta2", t.adam_beta2, 0 <= t.adam_beta2 < 1, "in [0, 1)"),
+        ("adam_epsilon", t.adam_epsilon, t.adam_epsilon > 0, "> 0"),
+        ("max_grad_norm", t.max_grad_norm, t.max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
+        ("peak_tflops", t.peak_tflops, t.peak_tflops is None or t.peak_tflops > 0, "> 0"),
+    ]
+    for name, value, allowed, expected in ranges:
+        if not allowed:
+            raise TrainingSetupError(f"--{name} {value} is out of range; it must be {expected}.")
+
+
+def _check_attn_implementation(name: str | None) -> None:
+    """The attention backends the model supports; flash attention only when its package is installed."""
+    if name is None or name in ATTENTION_IMPLEMENTATIONS:
+        return
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    flash = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
+    if name in flash:
+        if flash[name]():
+            return
+        package = "flash-attn" if name == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
+        raise TrainingSetupError(
+            f"--attn_implementation {name} needs the package {package} (and a CUDA GPU), which is not installed; "
+            "install it or use sdpa (the default)."
+        )
+    allowed = [*ATTENTION_IMPLEMENTATIONS, *flash]
+    raise TrainingSetupError(
+        f"--attn_implementation {name!r} is not an attention backend{_closest(name, allowed)}; "
+        f"use one of {', '.join(allowed)}."
+    )
+
+
+def _check_report_to(report_to: str) -> None:
+    """Known tracker names, each installed (accelerate would drop a missing one with only a log line)."""
+    import importlib.util
+
+    from qkvshare._extras import extra_providing, install_command
+
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    if "none" in names and len(names) > 1:
+        raise TrainingSetupError(f"--report_to {report_to!r} mixes 'none' with trackers; give one or the other.")
+    for name in names:
+        if name == "none":
+            continue
+        if name not in TRACKER_PACKAGES:
+            raise TrainingSetupError(
+                f"--report_to {name!r} is not a tracker{_closest(name, set(TRACKER_PACKAGES))}; "
+                f"use {', '.join(TRACKER_PACKAGES)} (comma separated) or none."
+            )
+        module = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            extra = extra_providing(module)
+            install = install_command(extra) if extra else f"pip install {module.replace('_', '-')}"
+            raise TrainingSetupError(
+                f"--report_to {name} needs the package {module}, which is not installed; install it with {install}, "
+                "or pass --report_to none."
+            )

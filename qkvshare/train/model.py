@@ -1,4 +1,4 @@
-"""Model construction for pretraining, and the arithmetic behind MFU.
+"""Model construction for pretraining, the arithmetic behind MFU, and the Llama twin of a config.
 
 Design notes
 - The config comes from a preset, a paper variant and `--config_overrides`; the vocabulary follows the
@@ -6,6 +6,7 @@ Design notes
 - FLOPs per token use the PaLM appendix-B count: 6 x (non-embedding parameters + the LM head) for the matmuls
   of forward and backward, plus 12 x layers x heads x head_dim x T for attention scores and values. Shared
   projections lower the first term; the attention term is the same for every variant.
+- `llama_twin_config` is the one mapping of a QKVShare config onto `LlamaConfig` (benchmarks import it).
 """
 
 from __future__ import annotations
@@ -75,14 +76,35 @@ def peak_flops_per_device(device: torch.device, override_tflops: float | None) -
     return None
 
 
-def llama_config_like(config: QKVShareConfig) -> LlamaConfig:
-    """A `LlamaConfig` of the same shape as a Llama-style QKVShare config (for throughput comparisons)."""
+def llama_twin_config(
+    config: QKVShareConfig, *, num_key_value_heads: int | None = None, attn_implementation: str | None = None
+) -> LlamaConfig:
+    """The `LlamaConfig` of the same shape as `config`: the reference `LlamaForCausalLM` that benchmarks and
+    throughput comparisons set against a QKVShare model (the one home of this mapping).
+
+    Same vocabulary, widths, layers, heads (`num_key_value_heads` overrides the key/value heads, e.g. a GQA
+    reference for a shared variant), positions, norm epsilon, RoPE, biases, activation, tied embeddings and special
+    token ids. Only the shape is copied: for a non-Llama-style config (LayerNorm, plain MLP, learned positions)
+    the twin has the same sizes but computes something else.
+    """
     return LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings, rope_parameters=config.rope_parameters,
-        attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, hidden_act=config.hidden_act,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads if num_key_value_heads is None else num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        # learned/no positions leave rope_parameters empty; Llama always rotates, with its default theta
+        rope_parameters=config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+        hidden_act=config.hidden_act,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        attn_implementation=attn_implementation,
+    )

@@ -5,8 +5,14 @@
     accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare.train configs/paper-1.2b/QKV.yaml
 
 Design notes
-- One file, small named steps: `setup` (every check, before any heavy work), `build_optimizer`, `train_step`,
-  `evaluate`, `save_final_model`. Bad input raises `TrainingSetupError`; `main` prints it and returns 2.
+- One file, small named steps. `setup` runs every check before any heavy work and before anything in
+  --output_dir is deleted: `make_accelerator`, `claim_output_dir` (lock, resume checkpoint), `build_model_config`,
+  `load_or_train_tokenizer`, `prepare_data`, `build_model`, `restore_checkpoint`, and only then
+  `replace_previous_run` (--overwrite_output_dir). Bad input raises `TrainingSetupError`; `main` prints it as
+  one paragraph and returns 2.
+- Ranks agree on every decision (`ranks.py`): the main process takes the lock and trains the BPE tokenizer and
+  hands the result to all; a failed checkpoint write or a stop signal seen by one rank stops all of them at the
+  same step.
 - The loss is computed here, not by the model: inputs are block[:-1], targets block[1:] of packed blocks (see
   `data.py`), so no padding exists and every target token counts once. Validation is token-weighted over ranks.
 - Gradient accumulation is explicit (`no_sync` on all but the last micro-step). Every rank holds an equal number
@@ -14,16 +20,20 @@ Design notes
   produce the gradients of one process with batch 4.
 - Exact resume: LR is a pure function of the step (`schedule.get_lr`), the data a pure function of (seed,
   step), and model, optimizer, scaler and RNG states come back through `accelerator.load_state`.
-- A non-finite loss is detected (collectively, before the optimizer step) and stops the run, leaving the last
-  checkpoint as it was.
+- Nothing is lost: SIGTERM or Ctrl-C finishes the current step, saves a checkpoint and prints the command that
+  resumes (exit status 128 + signal); a non-finite loss stops the run before the update, keeping the last
+  checkpoint; a full disk while saving is reported with the checkpoint that is still intact (exit status 1).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
+import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -38,9 +48,23 @@ from tqdm.auto import tqdm
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 
 from .args import Arguments, TrainingSetupError, check_args, parse_args, parse_config_overrides
-from .checkpoint import check_compatible, list_checkpoints, read_state, resolve_resume_path, save_checkpoint
+from .checkpoint import (
+    RUN_MARKERS,
+    CheckpointWriteError,
+    OutputDirLock,
+    check_compatible,
+    checkpoint_root,
+    clear_run,
+    describe_write_error,
+    list_checkpoints,
+    read_state,
+    resolve_resume_path,
+    run_entries,
+    save_checkpoint,
+)
 from .data import (
     BlockSchedule,
+    Corpus,
     InMemoryTrainData,
     PackedBlocks,
     StreamingTrainData,
@@ -49,15 +73,28 @@ from .data import (
     tokenize_documents,
 )
 from .model import build_config, count_parameters, fit_vocab, flops_per_token, peak_flops_per_device
+from .ranks import first_message, max_over_ranks, on_main
 from .schedule import get_lr
 from .tokenizer import load_tokenizer, padded_vocab_size, train_bpe_tokenizer
 
 # Files of a run inside output_dir that are not part of the Hugging Face model directory.
 RUN_SUBDIRS = ("checkpoints", "runs")
+# Launcher variables that give the number of processes of a distributed launch (torchrun, MPI).
+WORLD_SIZE_VARIABLES = ["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]
+# The training arguments that shape the LR schedule (a resumed run that changes one changes the LR from then on).
+SCHEDULE_FLAGS = ("max_steps", "learning_rate", "warmup_steps", "min_lr_ratio")
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step and the checkpoint to go back to."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM or Ctrl-C stopped the run at a step boundary, after saving a checkpoint; `signum` is the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass
@@ -78,6 +115,7 @@ class Run:
     data_fingerprint: str | None
     flops_per_token: float
     peak_flops: float | None
+    lock: OutputDirLock | None  # held by the main process until the run ends
 
     @property
     def global_batch_blocks(self) -> int:
@@ -97,51 +135,162 @@ class Run:
             "args": self.args.to_dict(),
         }
 
+    def save_checkpoint(self, step: int) -> Path:
+        t = self.args.train
+        return save_checkpoint(
+            self.accelerator, t.output_dir, step, self.state(step), self.tokenizer, t.save_total_limit
+        )
+
+    def release(self) -> None:
+        """Give the output directory back (the lock); safe to call twice."""
+        if self.lock is not None:
+            self.lock.release()
+
+
+def note(accelerator: Any, message: str) -> None:
+    """A notice from the main process (stderr, so it stays apart from the results on stdout)."""
+    if accelerator is None or accelerator.is_main_process:
+        print(f"qkvshare train: note: {message}", file=sys.stderr, flush=True)
+
 
 # --------------------------------------------------------------------------------------------------------------
-# Setup: every check before any heavy work
+# Setup: every check before any heavy work, and before anything is deleted
 # --------------------------------------------------------------------------------------------------------------
+def _accelerator_available() -> bool:
+    """Whether torch sees a GPU or another accelerator (CUDA, ROCm, XPU, MPS, ...)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def make_accelerator(args: Arguments) -> Any:
+    """The `Accelerator` of this run, with as many processes as the launcher started.
+
+    A multi-process launch on a machine without GPUs (`accelerate launch --multi_gpu`, `torchrun`) runs as CPU
+    ranks over gloo: accelerate alone would start that many independent single-process runs writing the same
+    --output_dir. FSDP is refused there, as accelerate would silently fall back to plain data parallelism.
+    """
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType, get_int_from_env
 
     t = args.train
+    world = get_int_from_env(WORLD_SIZE_VARIABLES, 1)
+    cpu_ranks = world > 1 and not t.use_cpu and not _accelerator_available()
     trackers = [name.strip() for name in t.report_to.split(",") if name.strip() and name.strip() != "none"]
     precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "no"
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=precision,
-        cpu=t.use_cpu,
+        cpu=t.use_cpu or cpu_ranks,
         log_with=trackers or None,
         project_dir=str(Path(t.output_dir) / "runs"),
     )
-
-
-def check_output_dir(args: Arguments) -> Path | None:
-    """Refuse to mix two runs in one directory; return the checkpoint to resume from, if any."""
-    t = args.train
-    out = Path(t.output_dir)
-    if t.resume_from_checkpoint:
-        return resolve_resume_path(t.resume_from_checkpoint, t.output_dir)
-    if out.exists() and any(out.iterdir()) and not t.overwrite_output_dir:
-        found = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+    if accelerator.num_processes != world:
         raise TrainingSetupError(
-            f"--output_dir {out} already holds another run ({found}); pass --resume_from_checkpoint latest to "
-            "continue it, --overwrite_output_dir to start over there, or choose a new --output_dir."
+            f"the launcher started {world} processes but accelerate joined {accelerator.num_processes} "
+            f"({accelerator.distributed_type}), so they would train as separate runs over one --output_dir; "
+            "pass --use_cpu true to train as CPU ranks (gloo), or give every process its own GPU."
         )
-    return None
-
-
-def setup(args: Arguments) -> Run:
-    """Check the arguments, load data and tokenizer, build model and optimizer, and restore a checkpoint."""
-    check_args(args)
-    accelerator = make_accelerator(args)
-    resume_path = check_output_dir(args)
-    accelerator.wait_for_everyone()  # every rank has looked at output_dir before the main process writes to it
-    if accelerator.distributed_type == "DEEPSPEED" and args.train.gradient_accumulation_steps > 1:
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
+        raise TrainingSetupError(
+            f"FSDP was asked for (--use_fsdp, e.g. configs/accelerate/fsdp.yaml) but this run is "
+            f"{accelerator.distributed_type} on {accelerator.device}: accelerate runs FSDP only on GPUs and would "
+            "otherwise replicate the whole model on every rank. Launch on GPUs, or use "
+            "configs/accelerate/cpu-2proc.yaml (data parallel over gloo) on CPUs."
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and t.gradient_accumulation_steps > 1:
         raise TrainingSetupError(
             "DeepSpeed steps inside backward, which this loop's explicit gradient accumulation does not fit; "
             "use --gradient_accumulation_steps 1 (raise the per-device batch) or the FSDP config for sharding."
         )
-    m, d, t = args.model, args.data, args.train
+    if cpu_ranks:
+        note(
+            accelerator,
+            f"no GPU found: the {world} processes train as CPU ranks over gloo (--use_cpu true asks for it).",
+        )
+    return accelerator
+
+
+def check_output_dir(args: Arguments) -> tuple[Path | None, list[str]]:
+    """Refuse to mix two runs in one directory; return the checkpoint to resume from (if any) and notes.
+
+    Called on the main process, under the lock.
+    """
+    t = args.train
+    out = Path(t.output_dir)
+    entries = run_entries(out)
+    found = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    resume_path, notes = None, []
+    if t.resume_from_checkpoint:
+        resume_path, notes = resolve_resume_path(t.resume_from_checkpoint, t.output_dir)
+        if resume_path.resolve().is_relative_to(checkpoint_root(out).resolve()):
+            return resume_path, notes  # continuing the run of this directory (--overwrite_output_dir is moot)
+    if entries and not any(name in RUN_MARKERS for name in entries):
+        raise TrainingSetupError(
+            f"--output_dir {out} holds files that are not a training run's ({found}); choose a new or empty "
+            "--output_dir (--overwrite_output_dir deletes only a previous run: a directory with checkpoints/, runs/ "
+            "or training_args.json)."
+        )
+    if entries and not t.overwrite_output_dir and resume_path is not None:
+        raise TrainingSetupError(
+            f"--output_dir {out} already holds another run ({found}), and --resume_from_checkpoint {resume_path} "
+            "belongs to another directory: continuing there would overwrite that run's model and rotate away its "
+            f"checkpoints. Resume into a new or empty --output_dir, pass --overwrite_output_dir to replace the run in "
+            f"{out}, or pass --resume_from_checkpoint latest to continue the run that {out} holds."
+        )
+    if entries and not t.overwrite_output_dir:
+        raise TrainingSetupError(
+            f"--output_dir {out} already holds another run ({found}); pass --resume_from_checkpoint latest to "
+            "continue it, --overwrite_output_dir to start over there, or choose a new --output_dir."
+        )
+    return resume_path, notes
+
+
+def check_resume_steps(args: Arguments, saved: dict[str, Any], path: Path) -> list[str]:
+    """Refuse a --max_steps the checkpoint is already past; note the flags that change the LR schedule."""
+    t = args.train
+    if saved["step"] > t.max_steps:
+        raise TrainingSetupError(
+            f"checkpoint {path} is at step {saved['step']}, beyond --max_steps {t.max_steps}: the run would stop at "
+            f"once and label a step-{saved['step']} model as step {t.max_steps}. Pass --max_steps {saved['step']} or "
+            "more, or resume from an earlier checkpoint."
+        )
+    before = saved.get("args", {})
+    changed = [
+        f"--{k} {before[k]} -> {getattr(t, k)}" for k in SCHEDULE_FLAGS if k in before and before[k] != getattr(t, k)
+    ]
+    if not changed:
+        return []
+    return [f"resuming at step {saved['step']} with {', '.join(changed)}: the LR schedule changes from there on."]
+
+
+def claim_output_dir(accelerator: Any, args: Arguments) -> tuple[OutputDirLock | None, Path | None, dict | None]:
+    """Main process: take the output directory's lock and find the checkpoint to resume from; every rank gets
+    the result. Returns (the lock on the main process, else None; the checkpoint; its trainer state)."""
+    lock = OutputDirLock(args.train.output_dir) if accelerator.is_main_process else None
+
+    def claim() -> tuple[Path | None, dict | None, list[str]]:
+        stale = lock.acquire()
+        try:
+            resume_path, notes = check_output_dir(args)
+            saved = read_state(resume_path) if resume_path is not None else None
+            if saved is not None:
+                notes += check_resume_steps(args, saved, resume_path)
+        except BaseException:
+            lock.release()
+            raise
+        return resume_path, saved, [n for n in (stale, *notes) if n]
+
+    resume_path, saved, notes = on_main(accelerator, claim)
+    for text in notes:
+        note(accelerator, text)
+    if resume_path is not None:
+        note(accelerator, f"resuming from {resume_path} (step {saved['step']}).")
+    return lock, resume_path, saved
+
+
+def build_model_config(args: Arguments) -> tuple[QKVShareConfig, dict[str, Any], int]:
+    """The model config from --preset/--variant/--config_overrides, its overrides, and the block size."""
+    m, d = args.model, args.data
     overrides = parse_config_overrides(m.config_overrides)
     config = build_config(m.preset, m.variant, overrides)
     block_size = d.block_size or min(1024, config.max_position_embeddings)
@@ -150,42 +299,35 @@ def setup(args: Arguments) -> Run:
             f"--block_size {block_size} exceeds the model's max_position_embeddings={config.max_position_embeddings}; "
             f"lower --block_size or raise it with --config_overrides max_position_embeddings={block_size}."
         )
-    if d.streaming and not m.tokenizer_name and resume_path is None:
-        raise TrainingSetupError(
-            "a streamed dataset needs --tokenizer_name (e.g. gpt2): BPE training reads local data."
-        )
+    return config, overrides, block_size
 
-    if accelerator.is_main_process and t.overwrite_output_dir and resume_path is None:
-        for sub in RUN_SUBDIRS:  # stale checkpoints must not mix with the new run's
-            shutil.rmtree(Path(t.output_dir) / sub, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    rank, world = accelerator.process_index, accelerator.num_processes
-    corpus = load_corpus(d, rank=rank, world_size=world, seed=t.seed)
 
-    # Tokenizer: the checkpoint's when resuming, else the named one, else a BPE trained by the main process.
+def load_or_train_tokenizer(
+    accelerator: Any, args: Arguments, config: QKVShareConfig, corpus: Corpus, resume_path: Path | None
+) -> Any:
+    """The checkpoint's tokenizer when resuming, else the named one, else a BPE the main process trains on the
+    training documents and hands to every rank (it is first written with the first checkpoint)."""
+    m = args.model
     if resume_path is not None:
-        tokenizer = load_tokenizer(str(resume_path))
-    elif m.tokenizer_name:
-        tokenizer = load_tokenizer(m.tokenizer_name)
-    else:
-        with accelerator.main_process_first():
-            if accelerator.is_main_process:
-                vocab = m.tokenizer_vocab_size or config.vocab_size
-                train_bpe_tokenizer(corpus.train, vocab).save_pretrained(t.output_dir)
-            tokenizer = load_tokenizer(t.output_dir)
-    fit_vocab(config, len(tokenizer), padded_vocab_size(tokenizer), "vocab_size" in overrides)
-    config.eos_token_id = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+        return load_tokenizer(str(resume_path))
+    if m.tokenizer_name:
+        return load_tokenizer(m.tokenizer_name)
+    vocab = m.tokenizer_vocab_size or config.vocab_size
+    return on_main(accelerator, lambda: train_bpe_tokenizer(corpus.train, vocab, config.max_position_embeddings))
 
-    global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
-    saved = read_state(resume_path) if resume_path is not None else None
-    if saved is not None:
-        current = {"model_config": config.to_dict(), "block_size": block_size, "global_batch_blocks": global_batch,
-                   "seed": t.seed}  # fmt: skip
-        check_compatible(saved, current, resume_path)
 
-    # Data: tokenize, pack, check there is at least one block on each side.
+def prepare_data(
+    args: Arguments,
+    accelerator: Any,
+    tokenizer: Any,
+    corpus: Corpus,
+    block_size: int,
+    saved: dict | None,
+    resume_path: Path | None,
+) -> tuple[PackedBlocks, Any, str | None]:
+    """Tokenize and pack; check there is at least one block on each side and, when resuming, that the data is
+    the checkpoint's. Returns (validation blocks, training data, token fingerprint of in-memory data)."""
+    d, t = args.data, args.train
     val_tokens = tokenize_documents(tokenizer, corpus.validation)
     val_blocks = PackedBlocks(val_tokens, block_size, d.max_eval_samples)
     if len(val_blocks) == 0:
@@ -193,31 +335,45 @@ def setup(args: Arguments) -> Run:
             f"the validation split has {len(val_tokens)} tokens, fewer than one block of {block_size + 1}; "
             "lower --block_size, raise --validation_split_percentage or give a larger --validation_file."
         )
-    fingerprint = None
     if corpus.streaming:
-        train_data = StreamingTrainData(corpus.train, tokenizer, d.text_column, block_size,
-                                        t.per_device_train_batch_size, t.gradient_accumulation_steps)  # fmt: skip
-    else:
-        train_tokens = tokenize_documents(tokenizer, corpus.train)
-        blocks = PackedBlocks(train_tokens, block_size, d.max_train_samples)
-        if len(blocks) == 0:
-            raise TrainingSetupError(
-                f"the training corpus has {len(train_tokens)} tokens, fewer than one block of {block_size + 1}; "
-                "lower --block_size or add data."
-            )
-        fingerprint = token_fingerprint(blocks.tokens[: len(blocks) * block_size + 1].numpy())
-        if saved is not None and saved.get("data_fingerprint") != fingerprint:
-            raise TrainingSetupError(
-                f"checkpoint {resume_path} was trained on other data (token fingerprint {saved.get('data_fingerprint')}"
-                f", now {fingerprint}); resume with the same data arguments."
-            )
-        schedule = BlockSchedule(len(blocks), t.seed, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                                 world, rank)  # fmt: skip
-        train_data = InMemoryTrainData(blocks, schedule)
+        train_data = StreamingTrainData(
+            corpus.train,
+            tokenizer,
+            d.text_column,
+            block_size,
+            t.per_device_train_batch_size,
+            t.gradient_accumulation_steps,
+        )
+        return val_blocks, train_data, None
+    train_tokens = tokenize_documents(tokenizer, corpus.train)
+    blocks = PackedBlocks(train_tokens, block_size, d.max_train_samples)
+    if len(blocks) == 0:
+        raise TrainingSetupError(
+            f"the training corpus has {len(train_tokens)} tokens, fewer than one block of {block_size + 1}; "
+            "lower --block_size or add data."
+        )
+    fingerprint = token_fingerprint(blocks.tokens[: len(blocks) * block_size + 1].numpy())
+    if saved is not None and saved.get("data_fingerprint") != fingerprint:
+        raise TrainingSetupError(
+            f"checkpoint {resume_path} was trained on other data (token fingerprint {saved.get('data_fingerprint')}"
+            f", now {fingerprint}); resume with the same data arguments."
+        )
+    schedule = BlockSchedule(
+        len(blocks),
+        t.seed,
+        t.per_device_train_batch_size,
+        t.gradient_accumulation_steps,
+        accelerator.num_processes,
+        accelerator.process_index,
+    )
+    return val_blocks, InMemoryTrainData(blocks, schedule), fingerprint
 
-    # Model and optimizer.
+
+def build_model(args: Arguments, config: QKVShareConfig) -> QKVShareForCausalLM:
+    """A freshly initialised model (seeded), with the requested attention backend and checkpointing."""
     from transformers import set_seed
 
+    m, t = args.model, args.train
     set_seed(t.seed)
     if m.attn_implementation:
         model = QKVShareForCausalLM._from_config(config, attn_implementation=m.attn_implementation)
@@ -227,16 +383,96 @@ def setup(args: Arguments) -> Run:
     model.generation_config.pad_token_id = config.pad_token_id
     if t.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
-    fpt = flops_per_token(model, config, block_size)
-    optimizer = build_optimizer(model, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    return model
 
-    start_step, tokens_seen = 0, 0
-    if saved is not None:
-        accelerator.load_state(str(resume_path))
-        start_step, tokens_seen = saved["step"], saved["tokens_seen"]
-    return Run(args, accelerator, config, tokenizer, model, optimizer, train_data, val_blocks, block_size, start_step,
-               tokens_seen, fingerprint, fpt, peak_flops_per_device(accelerator.device, t.peak_tflops))  # fmt: skip
+
+def restore_checkpoint(accelerator: Any, path: Path) -> None:
+    """Load model, optimizer, scaler and RNG states; a file that passed the size checks but does not load is
+    reported with the checkpoint's name."""
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # unpickling, safetensors or shape errors: all mean this checkpoint cannot be used
+        raise TrainingSetupError(
+            f"checkpoint {path} does not load ({type(err).__name__}: {' '.join(str(err).split())[:500]}); resume "
+            f"from an earlier checkpoint (--resume_from_checkpoint {path.parent}/checkpoint-<step>)."
+        ) from err
+
+
+def replace_previous_run(accelerator: Any, args: Arguments, resume_path: Path | None) -> None:
+    """--overwrite_output_dir: delete the previous run, now that every input of the new one has been checked."""
+    t = args.train
+    continuing = resume_path is not None and resume_path.resolve().is_relative_to(
+        checkpoint_root(t.output_dir).resolve()
+    )
+    if t.overwrite_output_dir and not continuing and accelerator.is_main_process and run_entries(t.output_dir):
+        note(accelerator, f"--overwrite_output_dir: deleting the previous run in {t.output_dir}.")
+        clear_run(t.output_dir)
+    accelerator.wait_for_everyone()
+
+
+def setup(args: Arguments) -> Run:
+    """Check the arguments, load data and tokenizer, build model and optimizer, restore a checkpoint, and only
+    then clear a previous run (--overwrite_output_dir). The returned run holds the output directory's lock."""
+    check_args(args)
+    accelerator = make_accelerator(args)
+    lock, resume_path, saved = claim_output_dir(accelerator, args)
+    try:
+        m, d, t = args.model, args.data, args.train
+        config, overrides, block_size = build_model_config(args)
+        if d.streaming and not m.tokenizer_name and resume_path is None:
+            raise TrainingSetupError(
+                "a streamed dataset needs --tokenizer_name (e.g. gpt2): BPE training reads local data."
+            )
+        rank, world = accelerator.process_index, accelerator.num_processes
+        corpus = load_corpus(d, rank=rank, world_size=world, seed=t.seed)
+        tokenizer = load_or_train_tokenizer(accelerator, args, config, corpus, resume_path)
+        fit_vocab(config, len(tokenizer), padded_vocab_size(tokenizer), "vocab_size" in overrides)
+        config.eos_token_id = tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        if saved is not None:
+            global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+            current = {
+                "model_config": config.to_dict(),
+                "block_size": block_size,
+                "global_batch_blocks": global_batch,
+                "seed": t.seed,
+            }
+            check_compatible(saved, current, resume_path)
+        val_blocks, train_data, fingerprint = prepare_data(
+            args, accelerator, tokenizer, corpus, block_size, saved, resume_path
+        )
+
+        model = build_model(args, config)
+        fpt = flops_per_token(model, config, block_size)
+        optimizer = build_optimizer(model, args)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        start_step, tokens_seen = 0, 0
+        if saved is not None:
+            restore_checkpoint(accelerator, resume_path)
+            start_step, tokens_seen = saved["step"], saved["tokens_seen"]
+        replace_previous_run(accelerator, args, resume_path)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Run(
+        args,
+        accelerator,
+        config,
+        tokenizer,
+        model,
+        optimizer,
+        train_data,
+        val_blocks,
+        block_size,
+        start_step,
+        tokens_seen,
+        fingerprint,
+        fpt,
+        peak_flops_per_device(accelerator.device, t.peak_tflops),
+        lock,
+    )
 
 
 def build_optimizer(model: torch.nn.Module, args: Arguments) -> torch.optim.AdamW:
@@ -263,8 +499,9 @@ def next_token_loss(model: Any, blocks: torch.Tensor, reduction: str = "mean") -
 def train_step(run: Run, step: int) -> tuple[float, float]:
     """One optimizer step (all micro-steps). Returns (mean loss over ranks, grad norm); raises on a non-finite loss."""
     acc, t = run.accelerator, run.args.train
-    lr = get_lr(step, peak_lr=t.learning_rate, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
-                min_lr_ratio=t.min_lr_ratio)  # fmt: skip
+    lr = get_lr(
+        step, peak_lr=t.learning_rate, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio
+    )
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.model.train()
@@ -322,61 +559,133 @@ def evaluate(run: Run) -> dict[str, float]:
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": int(totals[1].item())}
 
 
+class StopRequest:
+    """SIGTERM and Ctrl-C (SIGINT) during the loop become a request to stop at the next step boundary.
+
+    The handler only records the signal; the loop asks `agreed` after every step, which takes the largest signal
+    over the ranks, so all of them save the same checkpoint and stop together even when one rank alone was
+    signalled. A second Ctrl-C raises `KeyboardInterrupt` at once (quit without saving). Handlers are installed
+    only in the main thread (Python allows no other) and restored on exit.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def agreed(self, accelerator: Any) -> int:
+        """The signal that stops the run (0: none), the same on every rank."""
+        return max_over_ranks(accelerator, self.signum)
+
+
 def train(args: Arguments, on_step: Callable[[int, float, Any], None] | None = None) -> dict[str, Any]:
     """Run the whole pretraining and return the final metrics. `on_step(step, loss, model)` is a test hook called
     after each optimizer step (and its checkpoint, if any)."""
     run = setup(args)
-    acc, t = run.accelerator, args.train
+    try:
+        return _train(run, on_step)
+    finally:
+        run.release()
+
+
+def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[str, Any]:
+    acc, t = run.accelerator, run.args.train
     if acc.is_main_process:
         _print_header(run)
-    hparams = {k: v for k, v in args.to_dict().items() if isinstance(v, int | float | str | bool)}
+    hparams = {k: v for k, v in run.args.to_dict().items() if isinstance(v, int | float | str | bool)}
     acc.init_trackers(t.run_name or "qkvshare", config=hparams | {"variant": run.config.variant})
 
-    bar = tqdm(total=t.max_steps, initial=run.start_step, disable=t.disable_tqdm or not acc.is_local_main_process,
-               desc="train", dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=t.max_steps,
+        initial=run.start_step,
+        disable=t.disable_tqdm or not acc.is_local_main_process,
+        desc="train",
+        dynamic_ncols=True,
+    )
     window_losses, window_time, window_tokens = [], 0.0, 0
     metrics: dict[str, Any] = {}
-    for step in range(run.start_step, t.max_steps):
-        started = time.perf_counter()
-        loss, grad_norm = train_step(run, step)
-        window_time += time.perf_counter() - started
-        window_tokens += run.global_batch_blocks * run.block_size
-        window_losses.append(loss)
-        done = step + 1
-        bar.update(1)
-        if done % t.logging_steps == 0 or done == t.max_steps:
-            tokens_per_s = window_tokens / max(window_time, 1e-9)
-            metrics = {"train/loss": sum(window_losses) / len(window_losses), "train/grad_norm": grad_norm,
-                       "train/lr": run.optimizer.param_groups[0]["lr"], "train/tokens_per_second": tokens_per_s,
-                       "train/tokens_seen": run.tokens_seen}  # fmt: skip
-            if run.peak_flops:
-                metrics["train/mfu"] = tokens_per_s * run.flops_per_token / (run.peak_flops * acc.num_processes)
-            acc.log(metrics, step=done)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}",
-                            tok_s=f"{tokens_per_s:,.0f}")  # fmt: skip
-            window_losses, window_time, window_tokens = [], 0.0, 0
-        if done % t.eval_steps == 0 and done != t.max_steps:
-            evaluation = evaluate(run)
-            acc.log(evaluation, step=done)
-            if acc.is_main_process:
-                bar.write(
-                    f"step {done}: val loss {evaluation['eval/loss']:.4f}, ppl {evaluation['eval/perplexity']:.2f}"
+    with StopRequest() as stop:
+        for step in range(run.start_step, t.max_steps):
+            started = time.perf_counter()
+            loss, grad_norm = train_step(run, step)
+            window_time += time.perf_counter() - started
+            window_tokens += run.global_batch_blocks * run.block_size
+            window_losses.append(loss)
+            done = step + 1
+            bar.update(1)
+            if done % t.logging_steps == 0 or done == t.max_steps:
+                tokens_per_s = window_tokens / max(window_time, 1e-9)
+                metrics = {
+                    "train/loss": sum(window_losses) / len(window_losses),
+                    "train/grad_norm": grad_norm,
+                    "train/lr": run.optimizer.param_groups[0]["lr"],
+                    "train/tokens_per_second": tokens_per_s,
+                    "train/tokens_seen": run.tokens_seen,
+                }
+                if run.peak_flops:
+                    metrics["train/mfu"] = tokens_per_s * run.flops_per_token / (run.peak_flops * acc.num_processes)
+                acc.log(metrics, step=done)
+                bar.set_postfix(
+                    loss=f"{metrics['train/loss']:.3f}", lr=f"{metrics['train/lr']:.2e}", tok_s=f"{tokens_per_s:,.0f}"
                 )
-        if t.save_steps and done % t.save_steps == 0:
-            save_checkpoint(acc, t.output_dir, done, run.state(done), run.tokenizer, t.save_total_limit)
-        if on_step is not None:
-            on_step(done, loss, run.model)
+                window_losses, window_time, window_tokens = [], 0.0, 0
+            if done % t.eval_steps == 0 and done != t.max_steps:
+                evaluation = evaluate(run)
+                acc.log(evaluation, step=done)
+                if acc.is_main_process:
+                    bar.write(
+                        f"step {done}: val loss {evaluation['eval/loss']:.4f}, ppl {evaluation['eval/perplexity']:.2f}"
+                    )
+            saved = bool(t.save_steps) and done % t.save_steps == 0
+            if saved:
+                run.save_checkpoint(done)
+            if on_step is not None:
+                on_step(done, loss, run.model)
+            signum = stop.agreed(acc)
+            if signum:
+                bar.close()
+                path = checkpoint_root(t.output_dir) / f"checkpoint-{done}" if saved else run.save_checkpoint(done)
+                acc.end_training()
+                raise TrainingInterrupted(
+                    f"{signal.Signals(signum).name} received: stopped after step {done} of {t.max_steps} and saved "
+                    f"checkpoint {path}.",
+                    signum,
+                )
     bar.close()
 
     final = evaluate(run)
     acc.log(final, step=t.max_steps)
-    result = {"step": t.max_steps, "tokens_seen": run.tokens_seen, "train_loss": metrics.get("train/loss"),
-              "val_loss": final["eval/loss"], "val_perplexity": final["eval/perplexity"],
-              "val_tokens": final["eval/tokens"], "tokens_per_second": metrics.get("train/tokens_per_second"),
-              "mfu": metrics.get("train/mfu"), "flops_per_token": run.flops_per_token, "variant": run.config.variant,
-              "parameters": count_parameters(acc.unwrap_model(run.model)),
-              "kv_cache_bytes_per_token": run.config.kv_cache_bytes_per_token(),
-              "qkv_kv_cache_bytes_per_token": run.config.qkv_cache_bytes_per_token()}  # fmt: skip
+    result = {
+        "step": t.max_steps,
+        "tokens_seen": run.tokens_seen,
+        "train_loss": metrics.get("train/loss"),
+        "val_loss": final["eval/loss"],
+        "val_perplexity": final["eval/perplexity"],
+        "val_tokens": final["eval/tokens"],
+        "tokens_per_second": metrics.get("train/tokens_per_second"),
+        "mfu": metrics.get("train/mfu"),
+        "flops_per_token": run.flops_per_token,
+        "variant": run.config.variant,
+        "parameters": count_parameters(acc.unwrap_model(run.model)),
+        "kv_cache_bytes_per_token": run.config.kv_cache_bytes_per_token(),
+        "qkv_kv_cache_bytes_per_token": run.config.qkv_cache_bytes_per_token(),
+    }
     save_final_model(run, result)
     acc.end_training()
     return result
@@ -387,19 +696,51 @@ def train(args: Arguments, on_step: Callable[[int, float, Any], None] | None = N
 # --------------------------------------------------------------------------------------------------------------
 def save_final_model(run: Run, result: dict[str, Any]) -> None:
     """Write the Hugging Face model directory (config with auto_map, code, safetensors, tokenizer, args, metrics),
-    reload it from disk to generate the closing sample, and push it if asked."""
+    reload it from disk to generate the closing sample, and push it if asked.
+
+    A failed write (a full disk) raises `CheckpointWriteError` on every rank, naming the last checkpoint.
+    """
     acc, t = run.accelerator, run.args.train
     out = Path(t.output_dir)
     state_dict = acc.get_state_dict(run.model)  # gathers FSDP shards; a plain state dict otherwise
     unwrapped = acc.unwrap_model(run.model)
+    if type(unwrapped) is not QKVShareForCausalLM:
+        # FSDP2 swaps the class for a generated subclass (FSDPQKVShareForCausalLM, defined in torch's FSDP module):
+        # save_pretrained would copy torch's files as the model code and name that class in auto_map. A weightless
+        # model of the real class writes the directory instead; the weights come from `state_dict`.
+        with torch.device("meta"):
+            plain = QKVShareForCausalLM(run.config)
+        plain.generation_config = unwrapped.generation_config
+        unwrapped = plain
+    # A gathered FSDP state dict holds tied weights (the LM head) as separate, equal copies, which save_pretrained's
+    # storage-based dedupe does not see: keep only the source, as an unsharded save does.
+    for target, source in unwrapped.all_tied_weights_keys.items():
+        if target in state_dict and source in state_dict and torch.equal(state_dict[target], state_dict[source]):
+            del state_dict[target]
+    failure = None
     if acc.is_main_process:
-        unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-        run.tokenizer.save_pretrained(out)
-        resolved = run.args.to_dict() | {"block_size": run.block_size, "vocab_size": run.config.vocab_size,
-                                         "num_processes": acc.num_processes,
-                                         "global_batch_blocks": run.global_batch_blocks,
-                                         "mixed_precision": acc.mixed_precision}  # fmt: skip
-        (out / "training_args.json").write_text(json.dumps(resolved, indent=2))
+        try:
+            unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+            run.tokenizer.save_pretrained(out)
+            resolved = run.args.to_dict() | {
+                "block_size": run.block_size,
+                "vocab_size": run.config.vocab_size,
+                "num_processes": acc.num_processes,
+                "global_batch_blocks": run.global_batch_blocks,
+                "mixed_precision": acc.mixed_precision,
+            }
+            (out / "training_args.json").write_text(json.dumps(resolved, indent=2))
+        except (OSError, RuntimeError) as err:
+            failure = describe_write_error(err)
+    failure = first_message(acc, failure)
+    if failure is not None:
+        found = list_checkpoints(out)
+        kept = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was written"
+        raise CheckpointWriteError(
+            f"could not write the final model to {out}: {failure}; {kept}. Free space (or fix the cause) and rerun "
+            "the same command with --resume_from_checkpoint latest."
+        )
+    if acc.is_main_process:
         if t.sample_max_new_tokens:
             result["sample"] = generate_sample(out, t.sample_prompt, t.sample_max_new_tokens, t.seed, acc.device)
         (out / "final_metrics.json").write_text(json.dumps(result, indent=2))
@@ -423,8 +764,14 @@ def generate_sample(model_dir: Path, prompt: str, max_new_tokens: int, seed: int
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
     torch.manual_seed(seed)
-    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    output = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        top_k=40,
+        temperature=0.8,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return tokenizer.decode(output[0], skip_special_tokens=True)
 
 
@@ -455,18 +802,56 @@ def _print_summary(result: dict[str, Any], out: Path) -> None:
     print("\n".join(lines), flush=True)
 
 
+def resume_command(argv: list[str]) -> str:
+    """`qkvshare train` with `argv`, its --resume_from_checkpoint replaced by `latest`."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--resume_from_checkpoint":
+            skip = True
+        elif not item.startswith("--resume_from_checkpoint="):
+            kept.append(item)
+    return shlex.join(["qkvshare", "train", *kept, "--resume_from_checkpoint", "latest"])
+
+
+def _is_main_rank() -> bool:
+    """Rank 0 of a distributed launch, or a single process (messages of `main` are printed once)."""
+    from accelerate.utils import get_int_from_env
+
+    return get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0) == 0
+
+
 def main(argv: list[str] | None = None, on_step: Callable[[int, float, Any], None] | None = None) -> int:
-    """Entry point of `qkvshare train` and `accelerate launch -m qkvshare.train`. Returns the exit status."""
+    """Entry point of `qkvshare train` and `accelerate launch -m qkvshare.train`. Returns the exit status:
+    0 done, 1 stopped (non-finite loss, a failed write), 2 bad input, 128 + signal after SIGTERM or Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
+    status, message = 0, None
     try:
         train(parse_args(argv), on_step=on_step)
     except TrainingSetupError as err:
-        print(f"qkvshare train: error: {err}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as err:
-        print(f"qkvshare train: stopped: {err}", file=sys.stderr)
-        return 1
-    return 0
+        status, message = 2, f"qkvshare train: error: {err}"
+    except (TrainingDiverged, CheckpointWriteError) as err:
+        status, message = 1, f"qkvshare train: stopped: {err}"
+    except TrainingInterrupted as err:
+        status = 128 + err.signum
+        message = f"qkvshare train: {err} Resume with the same command and --resume_from_checkpoint latest: " + (
+            resume_command(argv)
+        )
+    except KeyboardInterrupt:
+        status, message = 128 + signal.SIGINT, "qkvshare train: interrupted; nothing saved since the last checkpoint."
+    if message is not None and _is_main_rank():
+        print(message, file=sys.stderr, flush=True)
+    return status
 
 
-__all__ = ["main", "train", "setup", "evaluate", "train_step", "build_optimizer", "TrainingDiverged"]
+__all__ = [
+    "main",
+    "train",
+    "setup",
+    "evaluate",
+    "train_step",
+    "build_optimizer",
+    "TrainingDiverged",
+    "TrainingInterrupted",
+]
