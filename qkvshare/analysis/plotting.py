@@ -21,10 +21,10 @@ def line_plot(
 
     Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed.
     """
-    import matplotlib
+    from qkvshare._extras import require
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "plots", "plots").use("Agg")
+    plt = require("matplotlib.pyplot", "plots", "plots")
 
     groups = dict(panels) if panels else {title: series}
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)

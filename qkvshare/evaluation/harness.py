@@ -98,9 +98,9 @@ def parse_args(argv: list[str] | None) -> EvalArgs:
 @functools.cache
 def task_manager():
     """lm-eval's task index (built once per process: scanning its ~15k task YAMLs takes seconds)."""
-    from lm_eval.tasks import TaskManager
+    from qkvshare._extras import require
 
-    return TaskManager()
+    return require("lm_eval.tasks", "eval", "qkvshare eval").TaskManager()
 
 
 def check_tasks(tasks: list[str]) -> None:

@@ -97,7 +97,9 @@ def parse_args(argv: list[str] | None) -> PerplexityArgs:
 
 def load_texts(args: PerplexityArgs) -> list[str]:
     """The non-empty documents of the file or hub dataset, in order (at most `max_documents`)."""
-    import datasets
+    from qkvshare._extras import require
+
+    datasets = require("datasets", "eval", "qkvshare perplexity")
 
     if args.validation_file is not None:
         path = Path(args.validation_file).expanduser()

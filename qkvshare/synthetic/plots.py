@@ -18,12 +18,10 @@ from .tasks import make_dataset
 
 
 def _pyplot():
-    import matplotlib
+    from qkvshare._extras import require
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    require("matplotlib", "plots", "the synthetic figures", hint="or pass --no_plots").use("Agg")
+    return require("matplotlib.pyplot", "plots", "the synthetic figures", hint="or pass --no_plots")
 
 
 @torch.no_grad()
