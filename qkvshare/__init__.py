@@ -13,7 +13,7 @@ import transformers
 from transformers.utils import logging
 
 from . import modeling_qkvshare
-from .cache_qkvshare import QKVShareCache, TiedKVLayer
+from .cache_qkvshare import CacheLayout, LinearAttentionStateLayer, QKVShareCache, TiedKVLayer
 from .configuration_qkvshare import (
     ARCHITECTURE_STYLES,
     AUTO_MODEL_CLASSES,
@@ -78,6 +78,8 @@ __all__ = [
     "QKVShareForTokenClassification",
     "QKVShareCache",
     "TiedKVLayer",
+    "LinearAttentionStateLayer",
+    "CacheLayout",
     "PRESETS",
     "ARCHITECTURE_STYLES",
     "AUTO_MODEL_CLASSES",

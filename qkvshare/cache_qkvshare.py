@@ -9,19 +9,25 @@ Design notes
   cache also keeps `positions` (B, T) when the config needs them (pre-RoPE ties, or the "+" attention-map
   encoding, whose column term depends on the key position). Storing positions instead of assuming 0..T-1
   keeps left-padded batches, beam search and assisted decoding exact.
+- `attention_kernel="linear"` layers (the paper's appendix recurrence) get a `LinearAttentionStateLayer`: a
+  constant-size state instead of per-token keys and values.
 - Every transformers cache operation (beam reorder, crop for assisted decoding, batch repeat/select,
   offload, reset) is implemented for both the tied layers and the positions.
+- A cache records what it was built for (`CacheLayout`: per-layer kinds, tie point, head shape, whether positions
+  are tracked). The model compares it with its own layout once per forward and refuses a cache built for another
+  model: a post-RoPE cache read by a pre-RoPE model would give wrong logits, other mismatches crash deep inside.
 - This file imports only torch/transformers (and package files with single-dot imports): `save_pretrained`
   copies it into checkpoints.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
-from transformers.configuration_utils import PreTrainedConfig
 
-from .linear_attention_qkvshare import LinearAttentionStateLayer
+from .configuration_qkvshare import QKVShareConfig
 
 
 class TiedKVLayer(DynamicLayer):
@@ -77,6 +83,167 @@ class TiedKVLayer(DynamicLayer):
             self.keys = self.keys[indices, ...]
 
 
+class LinearAttentionStateLayer(CacheLayerMixin):
+    """Cache layer of a Q=K=V linear-attention layer: a constant-size state instead of per-token keys and values.
+
+    State (all float32, created on the first update):
+        state: (B, H, D, D), S_t = sum_s lambda^(t-s) phi(z_s) z_s^T.
+        normalizer: (B, H, D), n_t = sum_s lambda^(t-s) phi(z_s); None when the attention is unnormalized.
+        seen_tokens: number of tokens folded in (padding included), so `get_seq_length()` gives the position offset
+            of the next token and `get_mask_sizes` the key length of the mask the model builds.
+
+    `keys`/`values` of the base class stay None. `crop` raises (a recurrence cannot be rolled back), so assisted
+    decoding is not available; `reorder_cache` (beam search), `batch_repeat_interleave` and `batch_select_indices`
+    act on the batch dimension.
+    """
+
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: torch.Tensor | None = None
+        self.normalizer: torch.Tensor | None = None
+        self.seen_tokens: int = 0
+        self.device: torch.device | None = None
+
+    def lazy_initialization(self, state: torch.Tensor, normalizer: torch.Tensor | None = None) -> None:
+        self.device = state.device
+        self.is_initialized = True
+
+    def get_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The current (state, normalizer), or (None, None) before the first token."""
+        return self.state, self.normalizer
+
+    def update(
+        self, state: torch.Tensor, normalizer: torch.Tensor | None = None, *args, num_new_tokens: int = 0, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replace the state with the one after `num_new_tokens` more tokens; return (state, normalizer).
+
+        Called through `Cache.update(state, normalizer, layer_idx, num_new_tokens=T)` by the attention layer, which
+        computes the new state from the old one (`get_state`).
+        """
+        if state.dim() != 4 or state.shape[-1] != state.shape[-2]:
+            raise ValueError(f"state must have shape (B, H, D, D); got {tuple(state.shape)}.")
+        if not self.is_initialized:
+            self.lazy_initialization(state, normalizer)
+        self.state, self.normalizer = state, normalizer
+        self.seen_tokens += int(num_new_tokens)
+        return self.state, self.normalizer
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask: all seen tokens plus the new ones, as for a dynamic layer."""
+        return self.seen_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Number of tokens folded into the state (the position of the next token)."""
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        """-1: no maximum length (the state does not grow)."""
+        return -1
+
+    def nbytes(self) -> int:
+        """Bytes held: the state plus the normalizer; independent of the number of tokens seen."""
+        return sum(t.nbytes for t in (self.state, self.normalizer) if t is not None)
+
+    def _map(self, fn) -> None:
+        self.state = fn(self.state) if self.state is not None else None
+        self.normalizer = fn(self.normalizer) if self.normalizer is not None else None
+
+    def offload(self) -> None:
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.state is not None and self.state.device != self.device:
+            self._map(lambda t: t.to(self.device, non_blocking=True))
+
+    def reset(self) -> None:
+        """Forget everything (state dropped, token count 0)."""
+        self.state = self.normalizer = None
+        self.seen_tokens = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: pick the batch rows `beam_idx` of the state."""
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only `crop(0)` is possible: the recurrence folds tokens into S irreversibly (lambda may be 1)."""
+        if tokens_to_remove == 0:
+            return
+        raise ValueError(
+            f"crop({tokens_to_remove}): a linear-attention state cannot be rolled back (tokens are summed into "
+            "S_t = lambda S_(t-1) + phi(z_t) z_t^T), so assisted/speculative decoding is not supported with "
+            "attention_kernel='linear'. Re-run the prefix instead, or copy the cache before the tokens to discard."
+        )
+
+
+# The kinds of cache layer, by what they store; `CacheLayout.layer_kinds` names one per decoder layer.
+LAYER_CLASSES: dict[str, type[CacheLayerMixin]] = {
+    "key_value": DynamicLayer,  # untied layer: key and value, each (B, H_kv, T, D)
+    "tied": TiedKVLayer,  # tied K/V: one tensor (B, H_kv, T, D)
+    "linear_state": LinearAttentionStateLayer,  # attention_kernel="linear": a constant-size state
+}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a `QKVShareCache` holds, decided by the model config; a cache fits a model iff their layouts are equal.
+
+    Fields:
+        layer_kinds: one key of `LAYER_CLASSES` per decoder layer.
+        kv_tie_point: "post_rope" (rotated keys cached) or "pre_rope" (unrotated, rotated on read) when a tied layer
+            uses RoPE; None when the tie point does not change what is stored.
+        num_key_value_heads, head_dim: the per-token shape (H_kv, D) of every cached tensor.
+        track_positions: whether the cache keeps the position ids of its tokens (pre-RoPE ties, "+" encoding).
+    """
+
+    layer_kinds: tuple[str, ...]
+    kv_tie_point: str | None
+    num_key_value_heads: int
+    head_dim: int
+    track_positions: bool
+
+    @classmethod
+    def for_config(cls, config: QKVShareConfig) -> CacheLayout:
+        """The layout a model with this config reads and writes."""
+        if config.attention_kernel == "linear":
+            kinds = ("linear_state",) * config.num_hidden_layers
+        else:
+            kinds = tuple("tied" if config.is_kv_tied(i) else "key_value" for i in range(config.num_hidden_layers))
+        rope_ties = "tied" in kinds and config.position_embedding_type == "rope"
+        return cls(
+            layer_kinds=kinds,
+            kv_tie_point=config.kv_tie_point if rope_ties else None,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            track_positions=config.needs_key_positions,
+        )
+
+    def differences(self, other: CacheLayout) -> list[str]:
+        """One `field: self vs other` line per field that differs (differing layers listed by index)."""
+        found = []
+        for field in fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if mine == theirs:
+                continue
+            if field.name != "layer_kinds":
+                found.append(f"{field.name}: {mine!r} vs {theirs!r}")
+            elif len(mine) != len(theirs):
+                found.append(f"number of layers: {len(mine)} vs {len(theirs)}")
+            else:
+                layers = [f"layer {i} {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+                found.append("layer kinds: " + ", ".join(layers))
+        return found
+
+
 def _layer_nbytes(layer: CacheLayerMixin) -> int:
     if hasattr(layer, "nbytes"):  # layers that know their own size (the linear-attention state)
         return layer.nbytes()
@@ -88,29 +255,35 @@ class QKVShareCache(Cache):
 
     Args:
         config: the model's `QKVShareConfig` (decides per layer what is stored).
+        offloading: keep layers on the CPU between uses (transformers' `Cache` option).
 
     State:
+        layout: the `CacheLayout` the cache was built for. A model refuses a cache whose layout is not its own
+            (e.g. built from another config): build it with `QKVShareCache(config=model.config)`.
         layers: one cache layer per decoder layer: `TiedKVLayer` (one tensor (B, H_kv, T, D)) for modes "kv"
             and "qkv", `DynamicLayer` (keys and values, each (B, H_kv, T, D)) otherwise, and a constant-size
             `LinearAttentionStateLayer` with `attention_kernel="linear"`.
-        positions: (B, T) int64 position ids of the cached tokens, kept only when `config.needs_key_positions`
+        positions: (B, T) int64 position ids of the cached tokens, kept only when `layout.track_positions`
             (pre-RoPE ties, "+" attention-map encoding); None otherwise.
 
     `generate()` and a forward with `use_cache=True` create one by default. `nbytes()` gives the bytes held.
     """
 
-    def __init__(self, config: PreTrainedConfig, offloading: bool = False):
-        layers = [self._make_layer(config, i) for i in range(config.num_hidden_layers)]
-        super().__init__(layers=layers, offloading=offloading)
-        self.track_positions: bool = bool(getattr(config, "needs_key_positions", False))
+    def __init__(self, config: QKVShareConfig, offloading: bool = False):
+        self.layout: CacheLayout = CacheLayout.for_config(config)
+        super().__init__(layers=[LAYER_CLASSES[kind]() for kind in self.layout.layer_kinds], offloading=offloading)
         self.positions: torch.Tensor | None = None
 
-    @staticmethod
-    def _make_layer(config: PreTrainedConfig, layer_idx: int) -> CacheLayerMixin:
-        # attention_kernel: "linear" layers (the paper's appendix recurrence) keep a constant-size state instead.
-        if config.attention_kernel == "linear":
-            return LinearAttentionStateLayer()
-        return TiedKVLayer() if config.is_kv_tied(layer_idx) else DynamicLayer()
+    def check_layout(self, expected: CacheLayout) -> None:
+        """Raise a ValueError naming what differs when this cache was built for a model with another layout."""
+        if self.layout == expected:
+            return
+        raise ValueError(
+            "cache: this QKVShareCache was built for a different model (cache vs model: "
+            + "; ".join(self.layout.differences(expected))
+            + "). Build it with QKVShareCache(config=model.config), or pass no cache and let the model (or "
+            "generate()) create one."
+        )
 
     def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Append the position ids (B, T_new) of the tokens being added; return those of all cached tokens (B, T).
@@ -118,7 +291,7 @@ class QKVShareCache(Cache):
         Called once per forward by the model, before the layers update. Without position tracking it only
         returns what it was given.
         """
-        if not self.track_positions:
+        if not self.layout.track_positions:
             return position_ids
         position_ids = position_ids.to(torch.long)
         if self.positions is None:
@@ -162,4 +335,4 @@ class QKVShareCache(Cache):
             self.positions = self.positions[indices, ...]
 
 
-__all__ = ["QKVShareCache", "TiedKVLayer"]
+__all__ = ["QKVShareCache", "TiedKVLayer", "LinearAttentionStateLayer", "CacheLayout"]

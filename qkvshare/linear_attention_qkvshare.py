@@ -23,10 +23,10 @@ Design notes
 - Padding: tokens marked as padding by the attention mask do not enter the state (their phi(z) and z are zeroed).
   The mask may be 2D (B, T_total) with 1 = keep, or a 4D (B, 1, T_q, T_total) boolean (True = attend) or additive
   float mask (0 = attend): the last query row tells which keys are real.
-- `LinearAttentionStateLayer` is the cache layer (a transformers `CacheLayerMixin`, so `Cache.get_seq_length`
-  works and the model's position ids advance). `crop` cannot undo a recurrence and raises; beam reordering and
-  batch repeat/select act on the batch dimension of the state.
-- This file imports only torch/transformers and the config with a single-dot import: `save_pretrained` copies it
+- The cache layer is `LinearAttentionStateLayer` in cache_qkvshare.py, next to the other cache layers (a transformers
+  `CacheLayerMixin`, so `Cache.get_seq_length` works and the model's position ids advance). `crop` cannot undo a
+  recurrence and raises; beam reordering and batch repeat/select act on the batch dimension of the state.
+- This file imports only torch/transformers and package files with single-dot imports: `save_pretrained` copies it
   into checkpoints.
 """
 
@@ -35,8 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+from transformers.utils.deprecation import deprecate_kwarg
 
+from .cache_qkvshare import LinearAttentionStateLayer
 from .configuration_qkvshare import QKVShareConfig
 
 FEATURE_MAPS = {
@@ -45,108 +47,6 @@ FEATURE_MAPS = {
     # relu(x) >= 0: can be exactly 0, hence the eps in the normalized readout.
     "relu": F.relu,
 }
-
-
-class LinearAttentionStateLayer(CacheLayerMixin):
-    """Cache layer of a Q=K=V linear-attention layer: a constant-size state instead of per-token keys and values.
-
-    State (all float32, created on the first update):
-        state: (B, H, D, D), S_t = sum_s lambda^(t-s) phi(z_s) z_s^T.
-        normalizer: (B, H, D), n_t = sum_s lambda^(t-s) phi(z_s); None when the attention is unnormalized.
-        seen_tokens: number of tokens folded in (padding included), so `get_seq_length()` gives the position offset
-            of the next token and `get_mask_sizes` the key length of the mask the model builds.
-
-    `keys`/`values` of the base class stay None. `crop` raises (a recurrence cannot be rolled back), so assisted
-    decoding is not available; `reorder_cache` (beam search), `batch_repeat_interleave` and `batch_select_indices`
-    act on the batch dimension.
-    """
-
-    is_croppable = False
-    supports_early_init = False
-
-    def __init__(self, **kwargs):
-        super().__init__()
-        self.state: torch.Tensor | None = None
-        self.normalizer: torch.Tensor | None = None
-        self.seen_tokens: int = 0
-        self.device: torch.device | None = None
-
-    def lazy_initialization(self, state: torch.Tensor, normalizer: torch.Tensor | None = None) -> None:
-        self.device = state.device
-        self.is_initialized = True
-
-    def get_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The current (state, normalizer), or (None, None) before the first token."""
-        return self.state, self.normalizer
-
-    def update(
-        self, state: torch.Tensor, normalizer: torch.Tensor | None = None, *args, num_new_tokens: int = 0, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replace the state with the one after `num_new_tokens` more tokens; return (state, normalizer).
-
-        Called through `Cache.update(state, normalizer, layer_idx, num_new_tokens=T)` by the attention layer, which
-        computes the new state from the old one (`get_state`).
-        """
-        if state.dim() != 4 or state.shape[-1] != state.shape[-2]:
-            raise ValueError(f"state must have shape (B, H, D, D); got {tuple(state.shape)}.")
-        if not self.is_initialized:
-            self.lazy_initialization(state, normalizer)
-        self.state, self.normalizer = state, normalizer
-        self.seen_tokens += int(num_new_tokens)
-        return self.state, self.normalizer
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the mask: all seen tokens plus the new ones, as for a dynamic layer."""
-        return self.seen_tokens + query_length, 0
-
-    def get_seq_length(self) -> int:
-        """Number of tokens folded into the state (the position of the next token)."""
-        return self.seen_tokens
-
-    def get_max_length(self) -> int:
-        """-1: no maximum length (the state does not grow)."""
-        return -1
-
-    def nbytes(self) -> int:
-        """Bytes held: the state plus the normalizer; independent of the number of tokens seen."""
-        return sum(t.nbytes for t in (self.state, self.normalizer) if t is not None)
-
-    def _map(self, fn) -> None:
-        self.state = fn(self.state) if self.state is not None else None
-        self.normalizer = fn(self.normalizer) if self.normalizer is not None else None
-
-    def offload(self) -> None:
-        self._map(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.state is not None and self.state.device != self.device:
-            self._map(lambda t: t.to(self.device, non_blocking=True))
-
-    def reset(self) -> None:
-        """Forget everything (state dropped, token count 0)."""
-        self.state = self.normalizer = None
-        self.seen_tokens = 0
-        self.is_initialized = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: pick the batch rows `beam_idx` of the state."""
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices, ...])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Only `crop(0)` is possible: the recurrence folds tokens into S irreversibly (lambda may be 1)."""
-        if tokens_to_remove == 0:
-            return
-        raise ValueError(
-            f"crop({tokens_to_remove}): a linear-attention state cannot be rolled back (tokens are summed into "
-            "S_t = lambda S_(t-1) + phi(z_t) z_t^T), so assisted/speculative decoding is not supported with "
-            "attention_kernel='linear'. Re-run the prefix instead, or copy the cache before the tokens to discard."
-        )
 
 
 def _kept_tokens(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -262,6 +162,7 @@ class QKVShareLinearAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -291,9 +192,9 @@ class QKVShareLinearAttention(nn.Module):
         if cache is not None:
             layer = cache.layers[self.layer_idx]
             if not isinstance(layer, LinearAttentionStateLayer):
-                raise TypeError(
-                    f"attention_kernel='linear' needs a LinearAttentionStateLayer in cache slot {self.layer_idx}, got "
-                    f"{type(layer).__name__}; pass a QKVShareCache(config) (or let the model create one)."
+                raise ValueError(
+                    f"cache: attention_kernel='linear' needs a LinearAttentionStateLayer in cache slot {self.layer_idx}, "
+                    f"got {type(layer).__name__}; pass QKVShareCache(config=model.config) (or let the model create one)."
                 )
             state, normalizer = layer.get_state()
         y, state, normalizer = linear_attention_chunked(
@@ -307,4 +208,4 @@ class QKVShareLinearAttention(nn.Module):
         return self.o_proj(y), None
 
 
-__all__ = ["QKVShareLinearAttention", "LinearAttentionStateLayer", "linear_attention_chunked", "FEATURE_MAPS"]
+__all__ = ["QKVShareLinearAttention", "linear_attention_chunked", "FEATURE_MAPS"]

@@ -14,6 +14,10 @@ Design notes
   by sum(w) and add the (B, 1, q, kv) bias to the attention mask. That works on the eager and sdpa backends,
   causal or bidirectional, for any length up to max_position_embeddings.
 - RoPE cos/sin, the key positions and the "+" encodings are computed once per forward in the base model.
+- Inputs are checked before any work: the cache (a QKVShareCache built for this model, or a transformers cache the
+  model can use exactly), the shapes of input_ids/inputs_embeds and attention_mask. "+" models refuse foreign
+  caches: only QKVShareCache records the positions of cached keys, which the column term of the map needs.
+- `past_key_values=` is accepted (with transformers' deprecation warning) wherever `cache=` is, as in Llama.
 - Only single-dot imports of package files: `save_pretrained` copies these files into checkpoints.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,15 +46,15 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     eager_attention_forward,
-    repeat_kv,
     rotate_half,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_qkvshare import QKVShareCache
+from .cache_qkvshare import CacheLayout, QKVShareCache
 from .configuration_qkvshare import QKVShareConfig
 from .linear_attention_qkvshare import QKVShareLinearAttention
 
@@ -78,7 +83,7 @@ def attention_map_encoding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column parts of the paper's 2D encoding P[i, j] = concat(row(i), col(j)) of the attention map.
 
-    Returns `row` (B, q, r) and `col` (B, kv, m - r). Layouts (PAPER.md section 1):
+    Returns `row` (B, q, r) and `col` (B, kv, m - r). Layouts (docs/research.md, section 2.2; docs/design.md, section 5):
     - "original" (Borji 2023, `positional-encodings` 2D): ch = ceil(m/4)*2 channels per axis, row block first,
       truncated to m channels in all (m=10: 6 row + 4 column channels);
     - "reproduction": first m//2 channels encode the row, the remaining ones the column.
@@ -187,19 +192,7 @@ class QKVShareAttention(nn.Module):
         col_term = col.to(weight.dtype) @ weight[rows:]  # (B, kv)
         return (row_term[:, :, None] + col_term[:, None, :] + self.attention_map_pe.bias)[:, None]
 
-    def attention_scores(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        map_encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Pre-mask, pre-softmax scores (B, H, T, T) of a full sequence, "+" term included (for analysis/tests)."""
-        query, key, _ = self.project(hidden_states, position_embeddings)
-        scores = query @ repeat_kv(key, self.num_key_value_groups).transpose(2, 3) * self.scaling
-        if self.attention_map_pe is not None:
-            scores = scores * self.attention_map_pe.weight.sum() + self.map_bias(map_encoding)
-        return scores
-
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -256,6 +249,7 @@ class QKVShareDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = make_norm(config)
         self.post_attention_layernorm = make_norm(config)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -322,14 +316,54 @@ class QKVShareModel(QKVSharePreTrainedModel):
         )
         self.norm = make_norm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.position_embedding_type == "rope" else None
-        # Decided once: whether attention needs the positions of cached keys ("+", pre-RoPE ties), and whether
-        # pre-RoPE tied layers need cos/sin at every cached position (they rotate their cached keys on read).
-        self.needs_key_positions = config.needs_key_positions
+        # Decided once: what a QKVShareCache passed to forward must hold, and whether pre-RoPE tied layers need
+        # cos/sin at every cached position (they rotate their cached keys on read).
+        self.cache_layout = CacheLayout.for_config(config)
         self.has_pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _check_inputs(self, position_ids: torch.Tensor) -> None:
+    def _check_cache(self, cache: Cache | None) -> None:
+        """Refuse a cache this model cannot use exactly (cheap Python checks, no tensor reads)."""
+        if cache is None:
+            return
+        if isinstance(cache, QKVShareCache):
+            cache.check_layout(self.cache_layout)
+            return
+        name = type(cache).__name__
+        fix = (
+            "pass no cache (forward with use_cache=True and generate() create a QKVShareCache) or "
+            "cache=QKVShareCache(config=model.config)"
+        )
+        if not isinstance(cache, Cache):
+            raise ValueError(f"cache must be a transformers Cache, got a {name}; {fix}.")
+        if self.config.attention_kernel == "linear":
+            raise ValueError(
+                f"cache: attention_kernel='linear' keeps a constant-size state that only QKVShareCache holds, got a "
+                f"{name}; {fix}."
+            )
+        if self.config.attention_map_pe_dim:
+            raise ValueError(
+                f"cache: attention_map_pe_dim={self.config.attention_map_pe_dim} (a '+' variant) needs the position "
+                f"of every cached key, which only QKVShareCache records; a {name} does not (assuming positions "
+                f"0..past-1 would be wrong for left-padded batches). Do not set cache_implementation, and {fix}."
+            )
+        expected, held = self.config.num_hidden_layers, len(cache.layers)
+        grows = getattr(cache, "layer_class_to_replicate", None) is not None  # DynamicCache(): layers come on use
+        if held != expected and not (grows and held == 0):
+            raise ValueError(
+                f"cache: the {name} has {held} layers but this model has {expected}: it was built or filled for "
+                f"another model. Build it with {name}(config=model.config), or {fix}."
+            )
+
+    def _check_inputs(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> None:
+        """Refuse malformed inputs with a ValueError naming them, before any work."""
         implementation = self.config._attn_implementation
         if self.config.attention_map_pe_dim and implementation not in _BIAS_CAPABLE_BACKENDS:
             raise ValueError(
@@ -337,14 +371,94 @@ class QKVShareModel(QKVSharePreTrainedModel):
                 f"the {implementation!r} attention backend cannot take; load the model with "
                 f"attn_implementation='sdpa' or 'eager'."
             )
-        if self.config.position_embedding_type == "learned" and position_ids.numel():
-            largest = int(position_ids.max())
-            if largest >= self.config.max_position_embeddings:
-                raise ValueError(
-                    f"position {largest} is beyond max_position_embeddings={self.config.max_position_embeddings} of "
-                    "this model's learned position table; use shorter inputs (or a sliding window)."
-                )
+        if input_ids is not None:
+            name, shape, expected = "input_ids", tuple(input_ids.shape), "(batch, sequence)"
+            well_formed = len(shape) == 2
+        else:
+            name, shape = "inputs_embeds", tuple(inputs_embeds.shape)
+            expected = f"(batch, sequence, {self.config.hidden_size})"
+            well_formed = len(shape) == 3 and shape[-1] == self.config.hidden_size
+        if not well_formed:
+            raise ValueError(f"{name} must have shape {expected}, got {shape}.")
+        if 0 in shape[:2]:
+            raise ValueError(
+                f"{name} has shape {shape}: no tokens to run; pass at least one sequence of at least one token."
+            )
+        if attention_mask is not None:
+            self._check_attention_mask(attention_mask, name, shape, cache)
 
+    @staticmethod
+    def _check_attention_mask(
+        attention_mask: torch.Tensor, name: str, shape: tuple[int, ...], cache: Cache | None
+    ) -> None:
+        """The mask must cover the batch and the keys: 2D (batch, cached + new), 4D (batch, heads, new, keys)."""
+        batch, length = shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        if isinstance(past, torch.Tensor):  # static caches keep their length on the device: don't sync to read it
+            past = None
+        held = f" and the cache holds {past} tokens" if past else ""
+        mask_shape = tuple(attention_mask.shape)
+        if len(mask_shape) == 2:  # padding mask over cached + new tokens (transformers' convention)
+            if mask_shape[0] != batch or (past is not None and mask_shape[1] != past + length):
+                keys = f"cached + {length}" if past is None else past + length
+                raise ValueError(
+                    f"attention_mask has shape {mask_shape} but {name} has shape {shape}{held}: a 2D mask must be "
+                    f"(batch, cached + new tokens) = ({batch}, {keys})."
+                )
+        elif len(mask_shape) == 4:  # a prepared or custom mask, used as is
+            key_length = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
+            if mask_shape[0] not in (1, batch) or mask_shape[2] != length or mask_shape[3] != key_length:
+                raise ValueError(
+                    f"attention_mask has shape {mask_shape} but {name} has shape {shape}{held}: a 4D mask must be "
+                    f"(batch, heads, new tokens, keys) = ({batch} or 1, heads or 1, {length}, {key_length})."
+                )
+        else:
+            raise ValueError(
+                f"attention_mask must be 2D (batch, cached + new tokens) or 4D (batch, heads, new tokens, keys); got "
+                f"shape {mask_shape} for {name} of shape {shape}."
+            )
+
+    def _positions(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, cache: Cache | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Everything about positions, once per forward: the learned absolute embeddings (added to `inputs_embeds`),
+        and for the attention layers `position_embeddings` (RoPE cos/sin of the new tokens),
+        `key_position_embeddings` (RoPE of every cached + new key, for pre-RoPE tied layers, which rotate their
+        cached keys on read) and `map_encoding` (row/column encodings of the "+" attention map).
+        """
+        hidden_states = inputs_embeds
+        if self.config.position_embedding_type == "learned":
+            if position_ids.numel() and int(position_ids.max()) >= self.config.max_position_embeddings:
+                raise ValueError(
+                    f"position {int(position_ids.max())} is beyond max_position_embeddings="
+                    f"{self.config.max_position_embeddings} of this model's learned position table; use shorter inputs "
+                    "(or a sliding window)."
+                )
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+
+        # Positions of every key this forward attends to: the cached ones (a QKVShareCache records them when the
+        # model needs them) and the new ones. Foreign caches never need them: `_check_cache` refuses them for "+",
+        # and with them pre-RoPE tied layers store the rotated key and the value separately.
+        batch_size = inputs_embeds.shape[0]
+        key_position_ids = position_ids.expand(batch_size, -1)
+        if isinstance(cache, QKVShareCache):
+            key_position_ids = cache.update_positions(key_position_ids)
+
+        layer_inputs = {"position_embeddings": None, "key_position_embeddings": None, "map_encoding": None}
+        if self.rotary_emb is not None:
+            layer_inputs["position_embeddings"] = self.rotary_emb(hidden_states, position_ids=position_ids)
+            if self.has_pre_rope_ties and isinstance(cache, QKVShareCache):
+                layer_inputs["key_position_embeddings"] = self.rotary_emb(hidden_states, position_ids=key_position_ids)
+        if self.config.attention_map_pe_dim:
+            layer_inputs["map_encoding"] = attention_map_encoding(
+                position_ids.expand(batch_size, -1),
+                key_position_ids,
+                self.config.attention_map_pe_dim,
+                self.config.attention_map_pe_layout,
+            )
+        return hidden_states, layer_inputs
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -357,35 +471,31 @@ class QKVShareModel(QKVSharePreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""Run the stack on new tokens, reading and extending `cache` when given.
+
+        Raises a ValueError before any work for: a `cache` built for another model (a `QKVShareCache` whose layout
+        differs, or a transformers cache with another number of layers), a non-QKVShare cache with the "+"
+        variants or the linear kernel, empty or malformed `input_ids`/`inputs_embeds`, and an `attention_mask`
+        whose shape does not fit (2D: (batch, cached + new tokens); 4D: (batch or 1, heads or 1, new tokens, keys)).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        self._check_cache(cache)
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
+
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+
         if use_cache and cache is None:
             cache = QKVShareCache(config=self.config)
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        batch_size, seq_len = inputs_embeds.shape[:2]
+
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        self._check_inputs(position_ids)
-
-        # Positions of every key this forward attends to: cached ones (kept by QKVShareCache) + the new ones.
-        key_position_ids = position_ids
-        if self.needs_key_positions:
-            new_positions = position_ids.expand(batch_size, -1)
-            if isinstance(cache, QKVShareCache):
-                key_position_ids = cache.update_positions(new_positions)
-            elif cache is not None:  # foreign cache: assume unpadded positions 0..past-1 for the cached tokens
-                past = torch.arange(past_seen_tokens, device=position_ids.device).expand(batch_size, -1)
-                key_position_ids = torch.cat([past, new_positions], dim=-1)
-
-        hidden_states = inputs_embeds
-        if self.config.position_embedding_type == "learned":
-            hidden_states = hidden_states + self.embed_positions(position_ids)
 
         # The "+" bias is folded into the mask, so the mask must be materialized (no is_causal shortcut).
-        attention_mask = create_causal_mask(
+        causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -393,37 +503,36 @@ class QKVShareModel(QKVSharePreTrainedModel):
             position_ids=position_ids,
             allow_is_causal_skip=not self.config.attention_map_pe_dim,
         )
-        position_embeddings = key_position_embeddings = map_encoding = None
-        if self.rotary_emb is not None:
-            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-            if self.has_pre_rope_ties and isinstance(cache, QKVShareCache):
-                key_position_embeddings = self.rotary_emb(hidden_states, position_ids=key_position_ids)
-        if self.config.attention_map_pe_dim:
-            map_encoding = attention_map_encoding(
-                position_ids.expand(batch_size, -1),
-                key_position_ids,
-                self.config.attention_map_pe_dim,
-                self.config.attention_map_pe_layout,
-            )
+        eager = self.config._attn_implementation == "eager"
+        if eager and isinstance(causal_mask, torch.Tensor) and causal_mask.dtype == torch.bool:
+            # A boolean 4D mask (True = attend) is passed through as is, and eager attention adds the mask to the
+            # scores: it would add 1/0 (silently wrong logits; LlamaForCausalLM does this). Make it additive.
+            zeros = causal_mask.new_zeros(causal_mask.shape, dtype=inputs_embeds.dtype)
+            causal_mask = add_bias_to_mask(causal_mask, zeros)
+
+        hidden_states, position_inputs = self._positions(inputs_embeds, position_ids, cache)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=attention_mask,
-                position_embeddings=position_embeddings,
+                attention_mask=causal_mask,
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
-                key_position_embeddings=key_position_embeddings,
-                map_encoding=map_encoding,
+                **position_inputs,
                 **kwargs,
             )
+
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
-    """QKVShare language model. `generate()` uses `QKVShareCache` unless a cache or cache_implementation is given."""
+    """QKVShare language model. `generate()` uses `QKVShareCache` unless a cache or cache_implementation is given.
+
+    Other transformers caches (DynamicCache, StaticCache, ...) are exact but store K and V separately; the "+"
+    variants and `attention_kernel="linear"` refuse them with a ValueError (see `QKVShareModel._check_cache`).
+    """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -440,7 +549,8 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
         # transformers would default to DynamicCache (K and V stored separately); ours stores one tensor per tied
-        # layer. An explicit cache or cache_implementation ("dynamic", "static", ...) keeps transformers' choice.
+        # layer. An explicit cache or cache_implementation ("dynamic", "static", ...) keeps transformers' choice,
+        # which the model's forward then checks.
         if (
             model_kwargs.get("cache") is None
             and generation_config.use_cache is not False
@@ -454,6 +564,7 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
@@ -467,7 +578,11 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        r"""Causal LM forward. `labels` (B, T) give the shifted next-token loss (-100 ignored)."""
+        r"""Causal LM forward. `labels` (B, T) give the shifted next-token loss (-100 ignored).
+
+        Inputs are checked as in `QKVShareModel.forward` (a ValueError before any work for a cache built for another
+        model, a non-QKVShare cache with "+" or the linear kernel, empty inputs, a mask that does not fit).
+        """
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -6,12 +6,9 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
+from qkvshare.cache_qkvshare import LinearAttentionStateLayer
 from qkvshare.configuration_qkvshare import QKVShareConfig
-from qkvshare.linear_attention_qkvshare import (
-    FEATURE_MAPS,
-    LinearAttentionStateLayer,
-    QKVShareLinearAttention,
-)
+from qkvshare.linear_attention_qkvshare import FEATURE_MAPS, QKVShareLinearAttention
 
 
 def make_config(**overrides) -> QKVShareConfig:
@@ -167,7 +164,7 @@ def test_errors_are_clear():
     attention = make_attention()
     from transformers.cache_utils import DynamicCache
 
-    with pytest.raises(TypeError, match="LinearAttentionStateLayer"):
+    with pytest.raises(ValueError, match="needs a LinearAttentionStateLayer in cache slot 0, got DynamicLayer"):
         attention(torch.randn(1, 2, attention.config.hidden_size), cache=DynamicCache(config=attention.config))
     with pytest.raises(ValueError, match="projection_sharing='qkv'"):
         QKVShareConfig.from_preset(

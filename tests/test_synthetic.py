@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from test_core import eager_scores  # the eager-path score recorder shared with the core tests
 
 import qkvshare  # noqa: F401  (registers the Auto classes)
 from qkvshare import QKVShareConfig, QKVShareForSequenceClassification, QKVShareForTokenClassification
-from qkvshare.modeling_qkvshare import attention_map_encoding
 from qkvshare.synthetic.plots import mean_attention_map
 from qkvshare.synthetic.sweep import SweepArgs, get_lr, main, run_sweep
 from qkvshare.synthetic.tasks import TASKS, make_dataset, task_targets
@@ -77,19 +77,8 @@ def test_sequence_classification_shape_and_loss():
 
 
 def layer0_scores(model: QKVShareForTokenClassification, x: torch.Tensor) -> torch.Tensor:
-    """Pre-softmax scores (B, H, T, T) of the first layer, "+" term included."""
-    base = model.model
-    positions = torch.arange(x.shape[1])[None]
-    hidden = base.embed_tokens(x) + base.embed_positions(positions)
-    config = model.config
-    encoding = None
-    if config.attention_map_pe_dim:
-        encoding = attention_map_encoding(
-            positions.expand(len(x), -1), positions.expand(len(x), -1), config.attention_map_pe_dim,
-            config.attention_map_pe_layout,
-        )  # fmt: skip
-    layer = base.layers[0]
-    return layer.self_attn.attention_scores(layer.input_layernorm(hidden), None, encoding)
+    """Pre-softmax scores (B, H, T, T) of the first layer, "+" term included, as the eager attention path scores."""
+    return eager_scores(model, x, layer=0)
 
 
 @pytest.mark.parametrize(
@@ -176,3 +165,17 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
     assert main(["--output_dir", str(tmp_path / "x"), "--grid", "huge"]) == 2
     assert "allowed: paper, default" in capsys.readouterr().err
     assert not (tmp_path / "x" / "results.csv").exists()
+
+
+def test_missing_figure_model_is_reported_not_silently_dropped(tmp_path, capsys):
+    args = sweep_args(tmp_path, train_size=128, test_size=32, plots=True)
+    run_sweep(args)
+    (model_dir,) = (tmp_path / "sweep" / "models").iterdir()
+    assert model_dir.name == "copy_QKV_e32_l1_h2_t8_s0"  # the variant's part through the shared `slug`
+    assert "leaves out" not in capsys.readouterr().err
+    model_dir.rename(model_dir.with_name("copy_QKV_old_name"))  # as saved by an older naming, or deleted
+    result = run_sweep(args)  # nothing to train: the cell is in results.csv
+    assert result.trained == []
+    err = capsys.readouterr().err
+    assert "attention_maps.png leaves out 1 figure cell(s) whose model is not in" in err and "(copy QKV)" in err
+    assert "Delete their rows from results.csv to retrain them." in err
