@@ -108,6 +108,7 @@ def require(module: str, extra: str, feature: str, hint: str = "") -> ModuleType
     if top not in packages:
         raise ValueError(f"{module!r} is not in the {extra!r} extra ({', '.join(packages)}); add it to EXTRAS.")
     try:
+        importlib.import_module(top)  # the package itself first: a submodule already in sys.modules hides nothing
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name is None or err.name.partition(".")[0] != top:
