@@ -198,9 +198,16 @@ class QKVShareLinearAttention(nn.Module):
                 )
             state, normalizer = layer.get_state()
         y, state, normalizer = linear_attention_chunked(
-            written_features, written_values, features, state, normalizer,
-            self.decay, self.chunk_size, self.normalize, self.eps,
-        )  # fmt: skip
+            written_features,
+            written_values,
+            features,
+            state,
+            normalizer,
+            self.decay,
+            self.chunk_size,
+            self.normalize,
+            self.eps,
+        )
         if cache is not None:
             cache.update(state, normalizer, self.layer_idx, num_new_tokens=length)
 

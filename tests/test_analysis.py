@@ -262,9 +262,34 @@ def test_slug_is_the_one_file_name_helper():
 def test_bench_end_to_end_tiny(tmp_path):
     variants = ["QKV", "Q-K=V", "Q=K=V", "GQA-2", "Q-MQA"]
     out = tmp_path / "bench"
-    argv = ["--preset", "tiny", "--variants", *variants, "--context_lens", "8", "16", "--batch_sizes", "1", "2",
-            "--new_tokens", "2", "--repeats", "1", "--warmup", "0", "--train_batch_size", "2", "--train_seq_len", "8",
-            "--train_steps", "1", "--budget_mib", "1", "--output_dir", str(out)]  # fmt: skip
+    argv = [
+        "--preset",
+        "tiny",
+        "--variants",
+        *variants,
+        "--context_lens",
+        "8",
+        "16",
+        "--batch_sizes",
+        "1",
+        "2",
+        "--new_tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--train_batch_size",
+        "2",
+        "--train_seq_len",
+        "8",
+        "--train_steps",
+        "1",
+        "--budget_mib",
+        "1",
+        "--output_dir",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     for name in (
         "bench.md",
@@ -428,9 +453,29 @@ def corpus(tmp_path_factory) -> list[str]:
 
 
 def _compare_argv(out: Path, corpus: list[str], variants: list[str]) -> list[str]:
-    return ["--preset", "tiny", "--variants", *variants, "--max_steps", "4", "--per_device_train_batch_size", "2",
-            "--block_size", "16", "--save_steps", "2", "--eval_steps", "4", "--max_eval_samples", "4", "--output_dir",
-            str(out), "--disable_tqdm", "true", *corpus]  # fmt: skip
+    return [
+        "--preset",
+        "tiny",
+        "--variants",
+        *variants,
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "2",
+        "--block_size",
+        "16",
+        "--save_steps",
+        "2",
+        "--eval_steps",
+        "4",
+        "--max_eval_samples",
+        "4",
+        "--output_dir",
+        str(out),
+        "--disable_tqdm",
+        "true",
+        *corpus,
+    ]
 
 
 def test_compare_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
@@ -512,8 +557,16 @@ def test_analyze_tied_layer_and_direct_computation(tmp_path, capsys):
 def test_analyze_llama_checkpoint_with_gqa(tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     llama.save_pretrained(tmp_path / "llama")
     report = weights.analyze(tmp_path / "llama")
     attn = llama.model.layers[1].self_attn
@@ -523,8 +576,22 @@ def test_analyze_llama_checkpoint_with_gqa(tmp_path, capsys):
     assert report["layers"][1]["cos_kv"] == pytest.approx(_direct(attn.k_proj.weight, attn.v_proj.weight), abs=1e-12)
     # costs takes the shape from any Llama checkpoint directory
     out = tmp_path / "costs.json"
-    assert costs.main(["--model_dir", str(tmp_path / "llama"), "--variants", "GQA-2", "Q-GQA-2", "--format", "json",
-                       "--output", str(out)]) == 0  # fmt: skip
+    assert (
+        costs.main(
+            [
+                "--model_dir",
+                str(tmp_path / "llama"),
+                "--variants",
+                "GQA-2",
+                "Q-GQA-2",
+                "--format",
+                "json",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["variants"]
     assert (
         rows[0]["parameters"]["total"]

@@ -66,10 +66,17 @@ COMBOS = {
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_logits_equal_llama(kv_heads, attn):
     llama_config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         attn_implementation=attn,
-    )  # fmt: skip
+    )
     llama = LlamaForCausalLM(llama_config).eval()
     ours = model_for(tiny(num_key_value_heads=kv_heads, tie_word_embeddings=False), attn)
     ours.load_state_dict(llama.state_dict(), strict=True)
@@ -189,9 +196,17 @@ def test_cache_nbytes_counts_the_tensors_it_holds():
 
 @pytest.mark.parametrize(
     "variant,fraction",
-    [("QKV", 1), ("Q=K-V", 1), ("Q-K=V", 1 / 2), ("Q=K=V", 1 / 2), ("GQA-2", 2 / 4), ("Q-GQA-2", 2 / 8),
-     ("MQA", 1 / 4), ("Q-MQA", 1 / 8)],
-)  # fmt: skip
+    [
+        ("QKV", 1),
+        ("Q=K-V", 1),
+        ("Q-K=V", 1 / 2),
+        ("Q=K=V", 1 / 2),
+        ("GQA-2", 2 / 4),
+        ("Q-GQA-2", 2 / 8),
+        ("MQA", 1 / 4),
+        ("Q-MQA", 1 / 8),
+    ],
+)
 def test_cache_bytes_relative_to_qkv_match_theory(variant, fraction):
     qkv = _filled_cache(tiny("QKV"), batch=2, length=9).nbytes()
     cache = _filled_cache(tiny(variant), batch=2, length=9)
@@ -226,9 +241,13 @@ def test_paper_300m_fp16_bytes_per_token(variant, per_token):
 # ---------------------------------------------------------------- parameter counts
 @pytest.mark.parametrize(
     "variant,total,attention",
-    [("QKV", 305_534_976, 83_968_000), ("Q=K-V", 284_542_976, 62_976_000), ("Q-K=V", 284_542_976, 62_976_000),
-     ("Q=K=V", 263_550_976, 41_984_000)],
-)  # fmt: skip
+    [
+        ("QKV", 305_534_976, 83_968_000),
+        ("Q=K-V", 284_542_976, 62_976_000),
+        ("Q-K=V", 284_542_976, 62_976_000),
+        ("Q=K=V", 263_550_976, 41_984_000),
+    ],
+)
 def test_paper_300m_parameter_counts(variant, total, attention):
     with torch.device("meta"):
         model = QKVShareForCausalLM(QKVShareConfig.from_preset("paper-300m", variant))
@@ -467,11 +486,20 @@ def test_bad_preset_or_variant_raises(call, message):
 @pytest.mark.parametrize(
     "variant,fields",
     [
-        ("QKV", ("none", 4, 0)), ("Q=K-V", ("qk", 4, 0)), ("Q≠K=V", ("kv", 4, 0)), ("QV", ("kv", 4, 0)),
-        ("Q!=K=V", ("kv", 4, 0)), ("Q=K=V", ("qkv", 4, 0)), ("(Q=K-V)+", ("qk", 4, 10)), ("(Q=K=V)+", ("qkv", 4, 10)),
-        ("GQA-2", ("none", 2, 0)), ("MQA", ("none", 1, 0)), ("Q-GQA-2", ("kv", 2, 0)), ("Q-MQA", ("kv", 1, 0)),
+        ("QKV", ("none", 4, 0)),
+        ("Q=K-V", ("qk", 4, 0)),
+        ("Q≠K=V", ("kv", 4, 0)),
+        ("QV", ("kv", 4, 0)),
+        ("Q!=K=V", ("kv", 4, 0)),
+        ("Q=K=V", ("qkv", 4, 0)),
+        ("(Q=K-V)+", ("qk", 4, 10)),
+        ("(Q=K=V)+", ("qkv", 4, 10)),
+        ("GQA-2", ("none", 2, 0)),
+        ("MQA", ("none", 1, 0)),
+        ("Q-GQA-2", ("kv", 2, 0)),
+        ("Q-MQA", ("kv", 1, 0)),
     ],
-)  # fmt: skip
+)
 def test_variant_names(variant, fields):
     config = tiny(variant)
     assert (config.projection_sharing, config.num_key_value_heads, config.attention_map_pe_dim) == fields

@@ -313,7 +313,9 @@ def test_recipe_config_overrides_mapping_keeps_nulls_and_lists(tmp_path):
     from qkvshare.train.args import load_yaml
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("config_overrides:\n  head_dim: null\n  layer_projection_sharing: [none, kv]\n  norm_eps: 1.0e-6\n")
+    recipe.write_text(
+        "config_overrides:\n  head_dim: null\n  layer_projection_sharing: [none, kv]\n  norm_eps: 1.0e-6\n"
+    )
     text = load_yaml(str(recipe))["config_overrides"]
     assert parse_config_overrides(text) == {
         "head_dim": None,

@@ -84,9 +84,15 @@ def llama_checkpoint(checkpoint, tmp_path_factory) -> Path:
     """A tiny GQA Llama (a non-QKVShare model) with the same tokenizer, for a second row of the table."""
     tok = PreTrainedTokenizerFast.from_pretrained(checkpoint)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
     LlamaForCausalLM(cfg).save_pretrained(path)

@@ -40,11 +40,22 @@ def test_datasets_are_seeded_and_uniform():
 
 def encoder_config(variant: str, **overrides) -> QKVShareConfig:
     fields = dict(
-        vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=12, position_embedding_type="learned", is_causal=False, num_labels=10,
-        norm_type="layernorm", mlp_type="plain", hidden_act="gelu_new", attention_bias=True,
-        attention_map_pe_init="xavier", pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=12,
+        position_embedding_type="learned",
+        is_causal=False,
+        num_labels=10,
+        norm_type="layernorm",
+        mlp_type="plain",
+        hidden_act="gelu_new",
+        attention_bias=True,
+        attention_map_pe_init="xavier",
+        pad_token_id=0,
+    )
     fields.update(overrides)
     return QKVShareConfig.from_preset("tiny", variant=variant, **fields)
 
@@ -104,10 +115,22 @@ def test_lr_schedule_warmup_then_cosine():
 
 def sweep_args(tmp_path, **overrides) -> SweepArgs:
     fields = dict(
-        output_dir=str(tmp_path / "sweep"), variants=["QKV"], tasks=["copy"], embedding_sizes=[32], layers=[1],
-        heads=[2], lengths=[8], seeds=[0], train_size=2048, test_size=256, epochs=1, batch_size=64, lr=3e-3,
-        workers=1, plots=False,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "sweep"),
+        variants=["QKV"],
+        tasks=["copy"],
+        embedding_sizes=[32],
+        layers=[1],
+        heads=[2],
+        lengths=[8],
+        seeds=[0],
+        train_size=2048,
+        test_size=256,
+        epochs=1,
+        batch_size=64,
+        lr=3e-3,
+        workers=1,
+        plots=False,
+    )
     fields.update(overrides)
     return SweepArgs(**fields)
 
@@ -138,10 +161,34 @@ def test_one_cell_sweep_learns_copy_and_resume_skips_it(tmp_path):
 def test_cli_writes_table_and_figures(tmp_path, capsys):
     out = tmp_path / "cli"
     code = main(
-        ["--output_dir", str(out), "--variants", "QKV", "(Q=K=V)+", "--tasks", "reverse", "--embedding_sizes", "16",
-         "--layers", "1", "--heads", "2", "--lengths", "6", "--seeds", "0", "--train_size", "256", "--test_size", "64",
-         "--epochs", "1", "--workers", "1"]
-    )  # fmt: skip
+        [
+            "--output_dir",
+            str(out),
+            "--variants",
+            "QKV",
+            "(Q=K=V)+",
+            "--tasks",
+            "reverse",
+            "--embedding_sizes",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--lengths",
+            "6",
+            "--seeds",
+            "0",
+            "--train_size",
+            "256",
+            "--test_size",
+            "64",
+            "--epochs",
+            "1",
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "| (Q=K=V)+ |" in printed and "(0.581)" in printed  # the paper's REVERSE number alongside ours

@@ -28,8 +28,14 @@ from qkvshare.train.schedule import get_lr
 from qkvshare.train.tokenizer import train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(REPO),
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +44,59 @@ def corpus_file(tmp_path_factory) -> Path:
     import json as json_module
 
     root = Path(json_module.__file__).parent.parent
-    docs = [(root / name).read_text() for name in ("bisect.py", "colorsys.py", "keyword.py", "heapq.py", "shlex.py",
-                                                   "textwrap.py", "fnmatch.py", "glob.py", "string.py")]  # fmt: skip
+    docs = [
+        (root / name).read_text()
+        for name in (
+            "bisect.py",
+            "colorsys.py",
+            "keyword.py",
+            "heapq.py",
+            "shlex.py",
+            "textwrap.py",
+            "fnmatch.py",
+            "glob.py",
+            "string.py",
+        )
+    ]
     path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return path
 
 
 def tiny_argv(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return ["--preset", "tiny", "--train_file", str(corpus), "--output_dir", str(out), "--use_cpu", "true",
-            "--validation_split_percentage", "20", "--block_size", "32", "--per_device_train_batch_size", "4",
-            "--learning_rate", "3e-3", "--warmup_steps", "2", "--logging_steps", "2", "--eval_steps", "100",
-            "--max_eval_samples", "8", "--report_to", "none", "--disable_tqdm", "true",
-            "--sample_max_new_tokens", "0", *extra]  # fmt: skip
+    return [
+        "--preset",
+        "tiny",
+        "--train_file",
+        str(corpus),
+        "--output_dir",
+        str(out),
+        "--use_cpu",
+        "true",
+        "--validation_split_percentage",
+        "20",
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "2",
+        "--logging_steps",
+        "2",
+        "--eval_steps",
+        "100",
+        "--max_eval_samples",
+        "8",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--sample_max_new_tokens",
+        "0",
+        *extra,
+    ]
 
 
 def run_losses(argv: list[str]) -> tuple[int, list[float]]:
@@ -159,14 +205,28 @@ def test_tiny_run_lowers_loss_and_saves_loadable_model(corpus_file, tmp_path, ca
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    rc, losses = run_losses(tiny_argv(corpus_file, out, "--max_steps", "30", "--variant", "Q-K=V",
-                                      "--sample_max_new_tokens", "8", "--peak_tflops", "0.5"))  # fmt: skip
+    rc, losses = run_losses(
+        tiny_argv(
+            corpus_file,
+            out,
+            "--max_steps",
+            "30",
+            "--variant",
+            "Q-K=V",
+            "--sample_max_new_tokens",
+            "8",
+            "--peak_tflops",
+            "0.5",
+        )
+    )
     assert rc == 0 and len(losses) == 30
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # from ~ln(320)=5.8 down by more than a nat
     metrics = json.loads((out / "final_metrics.json").read_text())
     assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]))
-    assert metrics["val_tokens"] == 8 * 32 and metrics["kv_cache_bytes_per_token"] * 2 == metrics[
-        "qkv_kv_cache_bytes_per_token"]  # fmt: skip
+    assert (
+        metrics["val_tokens"] == 8 * 32
+        and metrics["kv_cache_bytes_per_token"] * 2 == metrics["qkv_kv_cache_bytes_per_token"]
+    )
     # PaLM's count: 6 x parameters (tied head = embedding) + 12 x layers x heads x head_dim x T
     assert metrics["flops_per_token"] == 6 * metrics["parameters"] + 12 * 2 * 4 * 16 * 32
     assert metrics["mfu"] == pytest.approx(metrics["tokens_per_second"] * metrics["flops_per_token"] / 0.5e12)
@@ -235,13 +295,28 @@ def test_two_gloo_ranks_match_one_process(corpus_file, tmp_path):
     script.write_text(DDP_SCRIPT)
     common = ["--max_steps", "2", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0", "--save_steps", "0"]
     two = tiny_argv(corpus_file, tmp_path / "two", "--per_device_train_batch_size", "2", *common)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(script), str(tmp_path / "two_ranks"), *two]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        str(tmp_path / "two_ranks"),
+        *two,
+    ]
     proc = subprocess.run(cmd, env=ENV | {"ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = tiny_argv(corpus_file, tmp_path / "one", "--per_device_train_batch_size", "4", *common)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "one_rank"), *one], env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one_rank"), *one],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = json.loads((tmp_path / "two_ranks.json").read_text()), json.loads((tmp_path / "one_rank.json").read_text())
     assert a["num_processes"] == 2 and "MULTI" in a["distributed_type"] and b["num_processes"] == 1
@@ -275,8 +350,13 @@ def test_sigkill_then_resume_reproduces_uninterrupted_losses(corpus_file, tmp_pa
     script, log = tmp_path / "kill.py", tmp_path / "killed.jsonl"
     script.write_text(KILL_SCRIPT)
     killed_dir = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, str(script), str(log), *tiny_argv(corpus_file, killed_dir, *common)],
-                          env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(log), *tiny_argv(corpus_file, killed_dir, *common)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     before = [loss for _, loss in map(json.loads, log.read_text().splitlines())]
     assert before == pytest.approx(reference[:6], rel=1e-5)  # same run up to the kill (other thread count)
@@ -325,27 +405,59 @@ def _bad_inputs(corpus: Path, tmp: Path, finished: Path) -> dict[str, tuple[list
     return {
         "missing dataset": (tiny_argv(tmp / "nope.jsonl", new), "does not exist"),
         "empty dataset": (tiny_argv(empty, new), "has no documents"),
-        "unknown hub dataset": (["--preset", "tiny", "--dataset_name", "someone/no_such_dataset", "--output_dir",
-                                 str(new), "--use_cpu", "true", "--report_to", "none"], "could not load dataset"),
+        "unknown hub dataset": (
+            [
+                "--preset",
+                "tiny",
+                "--dataset_name",
+                "someone/no_such_dataset",
+                "--output_dir",
+                str(new),
+                "--use_cpu",
+                "true",
+                "--report_to",
+                "none",
+            ],
+            "could not load dataset",
+        ),
         "unknown preset": (tiny_argv(corpus, new, "--preset", "huge"), "preset='huge' is not a known preset"),
         "unknown variant": (tiny_argv(corpus, new, "--variant", "QQ"), "variant='QQ' is not a known variant"),
-        "tokenizer above vocab": (tiny_argv(corpus, new, "--config_overrides", "vocab_size=64"),
-                                  "tokenizer has 320 tokens but vocab_size=64"),
-        "block above positions": (tiny_argv(corpus, new, "--block_size", "256"),
-                                  "--block_size 256 exceeds the model's max_position_embeddings=128"),
+        "tokenizer above vocab": (
+            tiny_argv(corpus, new, "--config_overrides", "vocab_size=64"),
+            "tokenizer has 320 tokens but vocab_size=64",
+        ),
+        "block above positions": (
+            tiny_argv(corpus, new, "--block_size", "256"),
+            "--block_size 256 exceeds the model's max_position_embeddings=128",
+        ),
         "output dir holds a run": (tiny_argv(corpus, finished), "already holds another run"),
-        "incompatible checkpoint": (tiny_argv(corpus, finished, "--variant", "Q=K=V", "--resume_from_checkpoint",
-                                              "latest"), "incompatible run:\n  model projection_sharing"),
-        "no checkpoint to resume": (tiny_argv(corpus, new, "--resume_from_checkpoint", "latest"),
-                                    "no complete checkpoint"),
+        "incompatible checkpoint": (
+            tiny_argv(corpus, finished, "--variant", "Q=K=V", "--resume_from_checkpoint", "latest"),
+            "incompatible run:\n  model projection_sharing",
+        ),
+        "no checkpoint to resume": (
+            tiny_argv(corpus, new, "--resume_from_checkpoint", "latest"),
+            "no complete checkpoint",
+        ),
         "bf16 and fp16": (tiny_argv(corpus, new, "--bf16", "true", "--fp16", "true"), "choose one of --bf16"),
         "bad override": (tiny_argv(corpus, new, "--config_overrides", "hidden_size"), "is not key=value"),
-    }  # fmt: skip
+    }
 
 
-BAD_CASES = ["missing dataset", "empty dataset", "unknown hub dataset", "unknown preset", "unknown variant", "tokenizer above vocab",
-             "block above positions", "output dir holds a run", "incompatible checkpoint", "no checkpoint to resume",
-             "bf16 and fp16", "bad override"]  # fmt: skip
+BAD_CASES = [
+    "missing dataset",
+    "empty dataset",
+    "unknown hub dataset",
+    "unknown preset",
+    "unknown variant",
+    "tokenizer above vocab",
+    "block above positions",
+    "output dir holds a run",
+    "incompatible checkpoint",
+    "no checkpoint to resume",
+    "bf16 and fp16",
+    "bad override",
+]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

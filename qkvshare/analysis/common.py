@@ -37,14 +37,24 @@ def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
     """A Llama-style QKVShare config with the shape of a Llama/Mistral ``config.json`` (plain QKV or GQA)."""
     rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
     fields = dict(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=d.get("head_dim"),
-        max_position_embeddings=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), attention_bias=bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)), hidden_act=d.get("hidden_act", "silu"), rope_parameters=rope,
-        norm_type="rmsnorm", mlp_type="gated", position_embedding_type="rope",
-    )  # fmt: skip
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim"),
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        norm_eps=d.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        hidden_act=d.get("hidden_act", "silu"),
+        rope_parameters=rope,
+        norm_type="rmsnorm",
+        mlp_type="gated",
+        position_embedding_type="rope",
+    )
     return QKVShareConfig(**fields)
 
 

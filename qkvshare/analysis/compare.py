@@ -37,8 +37,18 @@ from qkvshare.analysis.plotting import line_plot
 # Sized for about 30 minutes on 2 otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256
 # tokens (1.02M tokens) per variant. The `small` preset trained at about 6k tokens/s on 2 idle cores here (0.08 s
 # per 512-token step), so about 3 minutes per variant, plus half a minute of tokenization each.
-DEFAULTS = dict(preset="small", max_steps=500, per_device_train_batch_size=8, block_size=256, learning_rate=1e-3,
-                warmup_steps=50, seed=0, eval_steps=500, save_steps=100, max_eval_samples=200)  # fmt: skip
+DEFAULTS = dict(
+    preset="small",
+    max_steps=500,
+    per_device_train_batch_size=8,
+    block_size=256,
+    learning_rate=1e-3,
+    warmup_steps=50,
+    seed=0,
+    eval_steps=500,
+    save_steps=100,
+    max_eval_samples=200,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,20 +75,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="initialisation and data-order seed")
     p.add_argument("--eval_steps", type=int, default=DEFAULTS["eval_steps"], help="validation period (steps)")
     p.add_argument("--save_steps", type=int, default=DEFAULTS["save_steps"], help="checkpoint period (resume unit)")
-    p.add_argument("--max_eval_samples", type=int, default=DEFAULTS["max_eval_samples"],
-                   help="validation blocks (the same for every variant)")  # fmt: skip
+    p.add_argument(
+        "--max_eval_samples",
+        type=int,
+        default=DEFAULTS["max_eval_samples"],
+        help="validation blocks (the same for every variant)",
+    )
     p.add_argument("--table_only", action="store_true", help="do not train; tabulate the finished variants")
     return p
 
 
 def shared_train_args(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
     """The trainer flags every variant gets (everything except --output_dir, --variant and the tokenizer)."""
-    argv = ["--preset", args.preset, "--max_steps", str(args.max_steps),
-            "--per_device_train_batch_size", str(args.per_device_train_batch_size), "--block_size", str(args.block_size),
-            "--learning_rate", str(args.learning_rate), "--warmup_steps", str(args.warmup_steps), "--seed", str(args.seed),
-            "--eval_steps", str(args.eval_steps), "--save_steps", str(args.save_steps),
-            "--max_eval_samples", str(args.max_eval_samples), "--logging_steps", "1", "--report_to", "none",
-            "--sample_max_new_tokens", "0"]  # fmt: skip
+    argv = [
+        "--preset",
+        args.preset,
+        "--max_steps",
+        str(args.max_steps),
+        "--per_device_train_batch_size",
+        str(args.per_device_train_batch_size),
+        "--block_size",
+        str(args.block_size),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--warmup_steps",
+        str(args.warmup_steps),
+        "--seed",
+        str(args.seed),
+        "--eval_steps",
+        str(args.eval_steps),
+        "--save_steps",
+        str(args.save_steps),
+        "--max_eval_samples",
+        str(args.max_eval_samples),
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--sample_max_new_tokens",
+        "0",
+    ]
     return argv + passthrough
 
 
@@ -168,11 +204,19 @@ def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list
         cpu = [r["cpu_s"] for r in log.values() if not math.isnan(r.get("cpu_s", math.nan))]
         tpcs = tokens_per_step / statistics.median(cpu) if cpu else math.nan
         rows.append(
-            {"variant": v, "val_perplexity": m["val_perplexity"], "val_loss": m["val_loss"],
-             "val_tokens": m["val_tokens"], "tokens_seen": m["tokens_seen"], "parameters": m["parameters"],
-             "kv_cache_cut": 1 - cfg.kv_cache_bytes_per_token(1) / qkv_bytes, "train_tokens_per_s": tps, "train_tokens_per_cpu_s": tpcs,
-             "loss_curve": [[s, log[s]["loss"]] for s in sorted(log)]}
-        )  # fmt: skip
+            {
+                "variant": v,
+                "val_perplexity": m["val_perplexity"],
+                "val_loss": m["val_loss"],
+                "val_tokens": m["val_tokens"],
+                "tokens_seen": m["tokens_seen"],
+                "parameters": m["parameters"],
+                "kv_cache_cut": 1 - cfg.kv_cache_bytes_per_token(1) / qkv_bytes,
+                "train_tokens_per_s": tps,
+                "train_tokens_per_cpu_s": tpcs,
+                "loss_curve": [[s, log[s]["loss"]] for s in sorted(log)],
+            }
+        )
     ref = next((r for r in rows if r["variant"] == "QKV"), rows[0] if rows else None)
     for r in rows:
         r["ppl_change"] = r["val_perplexity"] / ref["val_perplexity"] - 1
@@ -181,11 +225,32 @@ def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     ref = next((r["variant"] for r in rows if r["variant"] == "QKV"), rows[0]["variant"])
-    table = [[r["variant"], round(r["val_perplexity"], 3), "0" if r["variant"] == ref else f"{r['ppl_change']:+.1%}",
-              f"{r['kv_cache_cut']:.1%}", r["parameters"], round(r["train_tokens_per_s"] or math.nan, 1),
-              round(r["train_tokens_per_cpu_s"], 1), r["tokens_seen"]] for r in rows]  # fmt: skip
-    return markdown_table(["variant", "val PPL", f"vs {ref}", "KV-cache cut", "params", "train tokens/s (wall)",
-                           "train tokens/CPU-s", "train tokens"], table)  # fmt: skip
+    table = [
+        [
+            r["variant"],
+            round(r["val_perplexity"], 3),
+            "0" if r["variant"] == ref else f"{r['ppl_change']:+.1%}",
+            f"{r['kv_cache_cut']:.1%}",
+            r["parameters"],
+            round(r["train_tokens_per_s"] or math.nan, 1),
+            round(r["train_tokens_per_cpu_s"], 1),
+            r["tokens_seen"],
+        ]
+        for r in rows
+    ]
+    return markdown_table(
+        [
+            "variant",
+            "val PPL",
+            f"vs {ref}",
+            "KV-cache cut",
+            "params",
+            "train tokens/s (wall)",
+            "train tokens/CPU-s",
+            "train tokens",
+        ],
+        table,
+    )
 
 
 def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -238,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = output_dir / "runs" / slug(v)
             rc = train_variant(v, run_dir, output_dir / "logs" / f"{slug(v)}.jsonl", train_args, tokenizer)
             if rc != 0:
-                print(f"qkvshare compare: training {v} failed (exit {rc}); rerun the same command to resume.",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"qkvshare compare: training {v} failed (exit {rc}); rerun the same command to resume.",
+                    file=sys.stderr,
+                )
                 return rc
             tokenizer = tokenizer or str(run_dir)
 
@@ -254,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qkvshare compare: no finished variant under {output_dir / 'runs'}.", file=sys.stderr)
         return 1
     table = format_table(rows)
-    header = (f"### Pretraining comparison: preset {args.preset}, {args.max_steps} steps x "
-              f"{tokens_per_step:,} tokens, seed {args.seed}")  # fmt: skip
+    header = (
+        f"### Pretraining comparison: preset {args.preset}, {args.max_steps} steps x "
+        f"{tokens_per_step:,} tokens, seed {args.seed}"
+    )
     text = f"{header}\n\n{table}\n"
     print(text)
     (output_dir / "compare.md").write_text(text)

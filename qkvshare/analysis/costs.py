@@ -128,9 +128,13 @@ def macs_per_forward(config: QKVShareConfig, seq_len: int, causal_scores: bool =
     lm_head = T * d * config.vocab_size
     attention = projections + scores + pe_map
     return dict(
-        total=attention + mlp + lm_head, attention=attention, attention_projections=projections,
-        attention_scores=scores + pe_map, mlp=mlp, lm_head=lm_head,
-    )  # fmt: skip
+        total=attention + mlp + lm_head,
+        attention=attention,
+        attention_projections=projections,
+        attention_scores=scores + pe_map,
+        mlp=mlp,
+        lm_head=lm_head,
+    )
 
 
 def kv_cache_bytes(
@@ -216,10 +220,22 @@ def cost_report(
             "shape would cost at that length; the model as configured cannot run it."
         )
     return {
-        "config": {k: getattr(base, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                  "num_attention_heads", "head_dim", "vocab_size", "mlp_type",
-                                                  "norm_type", "position_embedding_type", "tie_word_embeddings",
-                                                  "max_position_embeddings")},
+        "config": {
+            k: getattr(base, k)
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "head_dim",
+                "vocab_size",
+                "mlp_type",
+                "norm_type",
+                "position_embedding_type",
+                "tie_word_embeddings",
+                "max_position_embeddings",
+            )
+        },
         "beyond_positions": beyond,
         "notes": notes,
         "reference": ref["variant"],
@@ -228,7 +244,7 @@ def cost_report(
         "dtypes": dtypes,
         "mac_convention": "matmul MACs only; dense T x T scores" + (" halved (causal)" if causal_scores else ""),
         "variants": rows,
-    }  # fmt: skip
+    }
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -302,8 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help=f"model shape preset ({known_presets()})")
     p.add_argument("--model_dir", help="a QKVShare or Llama-architecture model directory (its config.json)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
-    p.add_argument("--variants", nargs="*", help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
-                   "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+; g = heads/4). The first one is the reference.")  # fmt: skip
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
+        "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+; g = heads/4). The first one is the reference.",
+    )
     up_to = "up to the model's max_position_embeddings"
     seq_default, context_default = " ".join(map(str, DEFAULT_SEQ_LENS)), " ".join(map(str, DEFAULT_CONTEXT_LENS))
     p.add_argument(

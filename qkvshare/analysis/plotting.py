@@ -31,8 +31,14 @@ def line_plot(
     for ax, (panel_title, panel) in zip(axes[0], groups.items()):
         colors = plt.get_cmap("tab10" if len(panel) <= 10 else "tab20").colors
         for k, (name, (xs, ys)) in enumerate(panel.items()):
-            ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, color=colors[k % len(colors)],
-                    linestyle="--" if name in dashed else "-", label=name)  # fmt: skip
+            ax.plot(
+                xs,
+                ys,
+                marker="o" if len(xs) <= 30 else None,
+                color=colors[k % len(colors)],
+                linestyle="--" if name in dashed else "-",
+                label=name,
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(panel_title)

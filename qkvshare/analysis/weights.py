@@ -142,12 +142,21 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
         wk_x, wv_x = expand_kv(wk, heads, kv_heads, head_dim), expand_kv(wv, heads, kv_heads, head_dim)
         rows.append(
             {
-                "layer": i, "mode": modes[i], "cos_qk": cosine(wq, wk_x), "cos_qv": cosine(wq, wv_x),
-                "cos_kv": cosine(wk, wv), "erank_q": effective_rank(wq), "erank_k": effective_rank(wk),
-                "erank_v": effective_rank(wv), "rank90_q": energy_rank(wq), "rank90_k": energy_rank(wk),
-                "rank90_v": energy_rank(wv), "max_rank_q": min(wq.shape), "max_rank_kv": min(wk.shape),
+                "layer": i,
+                "mode": modes[i],
+                "cos_qk": cosine(wq, wk_x),
+                "cos_qv": cosine(wq, wv_x),
+                "cos_kv": cosine(wk, wv),
+                "erank_q": effective_rank(wq),
+                "erank_k": effective_rank(wk),
+                "erank_v": effective_rank(wv),
+                "rank90_q": energy_rank(wq),
+                "rank90_k": energy_rank(wk),
+                "rank90_v": energy_rank(wv),
+                "max_rank_q": min(wq.shape),
+                "max_rank_kv": min(wk.shape),
             }
-        )  # fmt: skip
+        )
     keys = [k for k in rows[0] if k not in ("layer", "mode")]
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     return {"model": str(model_dir), "model_type": config.get("model_type"), "layers": rows, "mean": mean}
@@ -156,13 +165,36 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
 def format_markdown(report: dict[str, Any]) -> str:
     from qkvshare.analysis.common import markdown_table  # (imports the config module: not at parse time)
 
-    headers = ["layer", "mode", "cos(Q,K)", "cos(Q,V)", "cos(K,V)", "erank Q", "erank K", "erank V",
-               "rank90 Q", "rank90 K", "rank90 V", "max rank Q / KV"]  # fmt: skip
+    headers = [
+        "layer",
+        "mode",
+        "cos(Q,K)",
+        "cos(Q,V)",
+        "cos(K,V)",
+        "erank Q",
+        "erank K",
+        "erank V",
+        "rank90 Q",
+        "rank90 K",
+        "rank90 V",
+        "max rank Q / KV",
+    ]
 
     def line(label: Any, mode: str, r: dict[str, Any]) -> list[Any]:
-        return [str(label), mode, f"{r['cos_qk']:.4f}", f"{r['cos_qv']:.4f}", f"{r['cos_kv']:.4f}",
-                f"{r['erank_q']:.1f}", f"{r['erank_k']:.1f}", f"{r['erank_v']:.1f}", f"{r['rank90_q']:.0f}",
-                f"{r['rank90_k']:.0f}", f"{r['rank90_v']:.0f}", f"{r['max_rank_q']:.0f} / {r['max_rank_kv']:.0f}"]  # fmt: skip
+        return [
+            str(label),
+            mode,
+            f"{r['cos_qk']:.4f}",
+            f"{r['cos_qv']:.4f}",
+            f"{r['cos_kv']:.4f}",
+            f"{r['erank_q']:.1f}",
+            f"{r['erank_k']:.1f}",
+            f"{r['erank_v']:.1f}",
+            f"{r['rank90_q']:.0f}",
+            f"{r['rank90_k']:.0f}",
+            f"{r['rank90_v']:.0f}",
+            f"{r['max_rank_q']:.0f} / {r['max_rank_kv']:.0f}",
+        ]
 
     rows = [line(r["layer"], r["mode"], r) for r in report["layers"]] + [line("mean", "", report["mean"])]
     title = f"### Q/K/V weights of {report['model']} (cosine of flattened weights; Roy-Vetterli effective rank)"

@@ -88,10 +88,28 @@ GRIDS: dict[str, dict[str, list[int]]] = {
 }
 
 CSV_FIELDS = [
-    "key", "variant", "task", "embedding_size", "layers", "heads", "length", "seed", "train_size", "test_size",
-    "epochs", "batch_size", "lr", "map_pe_init", "token_accuracy", "sequence_accuracy", "final_train_loss",
-    "steps", "num_parameters", "train_seconds", "cpu_seconds",
-]  # fmt: skip
+    "key",
+    "variant",
+    "task",
+    "embedding_size",
+    "layers",
+    "heads",
+    "length",
+    "seed",
+    "train_size",
+    "test_size",
+    "epochs",
+    "batch_size",
+    "lr",
+    "map_pe_init",
+    "token_accuracy",
+    "sequence_accuracy",
+    "final_train_loss",
+    "steps",
+    "num_parameters",
+    "train_seconds",
+    "cpu_seconds",
+]
 
 
 @dataclass
@@ -206,10 +224,16 @@ def validate(args: SweepArgs) -> list[Cell]:
     if not 0 <= args.warmup_fraction < 1 or args.lr <= 0 or args.grad_clip <= 0:
         raise ValueError("need 0 <= warmup_fraction < 1, lr > 0 and grad_clip > 0.")
     recipe = dict(
-        train_size=args.train_size, test_size=args.test_size, epochs=args.epochs, batch_size=args.batch_size,
-        lr=args.lr, warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, map_pe_init=args.map_pe_init,
+        train_size=args.train_size,
+        test_size=args.test_size,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_fraction=args.warmup_fraction,
+        grad_clip=args.grad_clip,
+        map_pe_init=args.map_pe_init,
         attn_implementation=args.attn_implementation,
-    )  # fmt: skip
+    )
     return [
         Cell(variant, task, emb, layers, heads, length, seed, **recipe)
         for emb in axes["embedding_sizes"]
@@ -420,9 +444,14 @@ def run_sweep(args: SweepArgs) -> SweepResult:
                 file=sys.stderr,
             )
         files["attention_maps_png"] = plot_attention_maps(
-            figure_cells, out / "models", model_dir_name, args.variants, args.tasks, args.map_layer,
+            figure_cells,
+            out / "models",
+            model_dir_name,
+            args.variants,
+            args.tasks,
+            args.map_layer,
             out / "attention_maps.png",
-        )  # fmt: skip
+        )
     return SweepResult(trained=trained, skipped=skipped, rows=rows, table=table, files=files)
 
 
@@ -507,8 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     result = run_sweep(args)
     print(result.table)
-    print(f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
-          f"{time.perf_counter() - start:.0f} s wall")  # fmt: skip
+    print(
+        f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
+        f"{time.perf_counter() - start:.0f} s wall"
+    )
     for name, path in result.files.items():
         print(f"{name}: {path}")
     return 0

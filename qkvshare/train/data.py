@@ -433,8 +433,9 @@ class StreamingTrainData:
     Batches must be requested in order; the first request at step `s` skips the blocks of steps `0..s-1`.
     """
 
-    def __init__(self, dataset: Any, tokenizer: Any, text_column: str, block_size: int, per_device_batch: int,
-                 accumulation: int):  # fmt: skip
+    def __init__(
+        self, dataset: Any, tokenizer: Any, text_column: str, block_size: int, per_device_batch: int, accumulation: int
+    ):
         self.dataset, self.tokenizer, self.text_column = dataset, tokenizer, text_column
         self.block_size, self.per_device_batch, self.accumulation = block_size, per_device_batch, accumulation
         self._blocks: Iterator[torch.Tensor] | None = None
