@@ -68,16 +68,22 @@ COMMANDS: dict[str, Command] = {
         "the paper's synthetic encoder tasks, table and attention maps",
         parse="qkvshare.synthetic.sweep:parse_args",
     ),
-    "costs": Command("qkvshare.analysis.costs:main", "parameters, MACs and KV-cache bytes of every variant (analytic)"),
+    "costs": Command(
+        "qkvshare.analysis.costs:main",
+        "parameters, MACs and KV-cache bytes of every variant (analytic)",
+        parse="qkvshare.analysis.costs:parse_args",
+    ),
     "bench": Command(
         "qkvshare.analysis.bench:main",
         "measured cache bytes, decode speed and capacity against Llama",
         extras=("plots",),
+        parse="qkvshare.analysis.bench:parse_args",
     ),
     "compare": Command(
         "qkvshare.analysis.compare:main",
         "pretrain several variants identically and tabulate them",
         extras=("train", "plots"),
+        parse="qkvshare.analysis.compare:parse_args",
     ),
     "analyze": Command(
         "qkvshare.analysis.weights:main",

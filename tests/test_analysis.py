@@ -93,6 +93,10 @@ def test_costs_cli_markdown_json_and_errors(tmp_path, capsys):
     assert "unknown config field 'hiden_size' (did you mean 'hidden_size'?)" in capsys.readouterr().err
     assert costs.main(["--preset", "tiny", "--variants", "GQA-3"]) == 2
     assert "3 key/value heads must divide" in capsys.readouterr().err
+    assert costs.main(["--preset", "tiny", "--variants"]) == 2
+    assert "qkvshare costs: error: --variants is empty" in capsys.readouterr().err
+    assert costs.main(["--model_dir", str(tmp_path)]) == 2  # no config.json: named, no traceback
+    assert str(tmp_path) in capsys.readouterr().err
 
 
 def test_costs_lengths_stop_at_the_model_positions(tmp_path, capsys):
@@ -163,9 +167,9 @@ def _parsers():
         "eval": harness.parse_args,
         "perplexity": perplexity.parse_args,
         "synthetic": sweep.parse_args,
-        "costs": costs.build_parser().parse_args,
+        "costs": costs.parse_args,
         "bench": bench.parse_args,
-        "compare": compare.build_parser().parse_args,
+        "compare": compare.parse_args,
         "analyze": weights.build_parser().parse_args,
     }
 
@@ -205,10 +209,12 @@ for target, argv in {calls!r}:
     with light_imports(module), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             getattr(importlib.import_module(module), function)(argv)
-            code = 0
+            code, message = 0, ""
         except SystemExit as exit_:
-            code = exit_.code
-    calls.append([code, out.getvalue(), err.getvalue()])
+            code, message = exit_.code, ""
+        except ValueError as error:  # a bad value (the protocol): the entry point prints it, exit status 2
+            code, message = "ValueError", str(error)
+    calls.append([code, out.getvalue(), err.getvalue() + message])
 heavy = [m for m in ("torch", "transformers", "lm_eval", "datasets", "safetensors", "matplotlib") if m in sys.modules]
 print(json.dumps({{"calls": calls, "heavy": heavy}}))
 """
@@ -226,6 +232,17 @@ def test_command_parsers_answer_without_torch():
         ("qkvshare.synthetic.sweep:parse_args", ["--help"]),
         ("qkvshare.analysis.weights:parse_args", ["--help"]),
         ("qkvshare.analysis.weights:parse_args", ["model", "--format", "csv"]),
+        ("qkvshare.analysis.costs:parse_args", ["--help"]),
+        ("qkvshare.analysis.costs:parse_args", ["--preset", "tiny", "--override", "hidden_size"]),
+        ("qkvshare.analysis.costs:parse_args", ["--preset", "tiny", "--dtypes", "fp4"]),
+        ("qkvshare.analysis.costs:parse_args", ["--preset", "tiny", "--seq_lens", "128", "--format", "json"]),
+        ("qkvshare.analysis.bench:parse_args", ["--help"]),
+        ("qkvshare.analysis.bench:parse_args", ["--core", "--batch_sizes", "0"]),
+        ("qkvshare.analysis.bench:parse_args", ["--preset", "tiny", "--model_dir", "m"]),
+        ("qkvshare.analysis.compare:parse_args", ["--help"]),
+        ("qkvshare.analysis.compare:parse_args", ["--max_steps", "0"]),
+        ("qkvshare.analysis.compare:parse_args", ["--variants", "QKV", "--train_file", "t.txt", "--variant=MQA"]),
+        ("qkvshare.analysis.compare:parse_args", ["--variants", "QKV", "--train_file", "t.txt"]),
     ]
     env = {**os.environ, "PYTHONPATH": str(root)}
     code = LIGHT_PARSE.format(calls=calls)
@@ -233,7 +250,7 @@ def test_command_parsers_answer_without_torch():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["heavy"] == []
-    (help_eval, bad_dtype, help_ppl, no_source, help_syn, help_analyze, bad_format) = report["calls"]
+    (help_eval, bad_dtype, help_ppl, no_source, help_syn, help_analyze, bad_format, *analysis) = report["calls"]
     assert help_eval[0] == 0 and "usage: qkvshare eval" in help_eval[1]
     assert bad_dtype[0] == 2 and "'fp64' is not a dtype" in bad_dtype[2]
     assert help_ppl[0] == 0 and "usage: qkvshare perplexity" in help_ppl[1]
@@ -241,6 +258,19 @@ def test_command_parsers_answer_without_torch():
     assert help_syn[0] == 0 and "--map_pe_init" in help_syn[1]
     assert help_analyze[0] == 0 and "usage: qkvshare analyze" in help_analyze[1]
     assert bad_format[0] == 2 and "invalid choice: 'csv'" in bad_format[2]
+    help_costs, no_equals, bad_dtypes, costs_ok, help_bench, no_batch, two_shapes, *compare_calls = analysis
+    assert help_costs[0] == 0 and "usage: qkvshare costs" in help_costs[1] and "from_preset" in help_costs[1]
+    assert no_equals[0] == "ValueError" and "--override item 'hidden_size' is not key=value" in no_equals[2]
+    assert bad_dtypes[0] == "ValueError" and "--dtypes fp4: not known" in bad_dtypes[2]
+    assert costs_ok == [0, "", ""]  # good input passes (preset names and override keys: checked by main)
+    assert help_bench[0] == 0 and "usage: qkvshare bench" in help_bench[1] and "--kv_tie_points" in help_bench[1]
+    assert no_batch == ["ValueError", "", "--batch_sizes needs positive integers."]
+    assert two_shapes[0] == "ValueError" and "give exactly one of --preset NAME or --model_dir DIR" in two_shapes[2]
+    help_compare, no_steps, clash, passthrough = compare_calls
+    assert help_compare[0] == 0 and "usage: qkvshare compare" in help_compare[1]
+    assert no_steps == ["ValueError", "", "--max_steps must be at least 1."]
+    assert clash[0] == "ValueError" and "--variant is set by compare itself" in clash[2]
+    assert passthrough == [0, "", ""]  # unknown flags are the trainer's, not errors
 
 
 def test_slug_is_the_one_file_name_helper():
@@ -431,6 +461,13 @@ def test_bench_rejects_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--kv_tie_points", "mid_rope"])
     assert "invalid choice: 'mid_rope'" in capsys.readouterr().err
+    # a flag given without values is an error, not the defaults; a zero capacity context is not "the longest"
+    assert bench.main(["--preset", "tiny", "--variants"]) == 2
+    assert "--variants is empty; give at least one value" in capsys.readouterr().err
+    assert bench.main(["--preset", "tiny", "--sections"]) == 2
+    assert "--sections is empty" in capsys.readouterr().err
+    assert bench.main(["--preset", "tiny", "--capacity_context", "0"]) == 2
+    assert "--capacity_context 0: must be a positive token count" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,6 +513,21 @@ def _compare_argv(out: Path, corpus: list[str], variants: list[str]) -> list[str
         "true",
         *corpus,
     ]
+
+
+def test_compare_orders_and_checks_variants_before_training(tmp_path, capsys):
+    assert compare.ordered_variants("tiny", None) == [
+        *("QKV", "Q-K=V", "Q=K-V", "Q=K=V", "GQA-2", "MQA", "Q-GQA-2", "Q-MQA")
+    ]
+    assert compare.ordered_variants("tiny", ["MQA", "Q=K-V", "QKV"]) == ["QKV", "Q=K-V", "MQA"]
+    out = tmp_path / "cmp"
+    assert compare.main(["--preset", "tiny", "--variants", "QKV", "GQA-3", "--output_dir", str(out)]) == 2
+    assert "3 key/value heads must divide" in capsys.readouterr().err
+    assert compare.main(["--preset", "nope", "--output_dir", str(out)]) == 2
+    assert "preset='nope' is not a known preset" in capsys.readouterr().err
+    assert compare.main(["--variants", "Q=K-V", "Q=K-V", "--output_dir", str(out)]) == 2
+    assert "--variants has duplicates: ['Q=K-V', 'Q=K-V']" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything is written
 
 
 def test_compare_end_to_end_with_resume(tmp_path, corpus, monkeypatch):

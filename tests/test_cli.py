@@ -174,6 +174,23 @@ def test_train_bad_input_answered_before_torch(tmp_path):
     assert "torch" not in report["loaded"]
 
 
+def test_analysis_bad_input_answered_before_torch():
+    report = run_fresh(
+        ["costs", "--preset", "tiny", "--override", "hidden_size"],
+        ["bench", "--repeats", "0"],
+        ["compare", "--logging_steps", "5"],
+    )
+    costs, bench, compare = report["calls"]
+    assert costs["code"] == 2 and costs["err"].startswith("qkvshare costs: error: --override item 'hidden_size'")
+    assert bench == {
+        "code": 2,
+        "out": "",
+        "err": "qkvshare bench: error: --new_tokens, --repeats and the --train_* sizes must be positive.\n",
+    }
+    assert compare["code"] == 2 and "--logging_steps is set by compare itself per variant" in compare["err"]
+    assert report["loaded"] == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the parse protocol and light_imports
 # ---------------------------------------------------------------------------------------------------------------

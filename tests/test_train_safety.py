@@ -670,3 +670,22 @@ def test_fsdp2_on_two_cpu_ranks_matches_one_process_and_resumes_from_shards(corp
     assert set(ours) == set(ref)
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_train_help_prints_each_default_once(capsys):
+    """`qkvshare train --help` shows each default once: help texts that describe their default get no second
+    "(default: None)" appended; plain defaults are still shown."""
+    from test_analysis import _help_blocks
+
+    from qkvshare.train.args import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    blocks = _help_blocks(capsys.readouterr().out)
+    assert len(blocks) > 20
+    for block in blocks.values():
+        assert block.count("default") <= 1, block
+    assert "(default: tiny)" in blocks["--preset"]
+    assert "default: train a byte-level BPE" in blocks["--tokenizer_name"]
+    assert "(default: None)" not in blocks["--tokenizer_name"]

@@ -46,10 +46,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkvshare.analysis.common import (
+    PRESET_HELP,
     base_config,
+    check_nonempty,
+    check_shape_source,
     check_variants,
     default_variants,
-    known_presets,
     markdown_table,
     parse_overrides,
     variant_config,
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     import torch
 
 SECTIONS = ("cache", "decode", "capacity", "train")
+DEFAULT_PRESET = "small"  # the shape when neither --preset nor --model_dir is given
 KV_TIE_POINTS = ("post_rope", "pre_rope")  # the values of QKVShareConfig.kv_tie_point
 # `--core`: the settings of the core benchmark (formerly benchmarks/bench_core.py), under any flag given.
 CORE_SETTINGS = dict(
@@ -626,7 +629,7 @@ def plots(report: dict[str, Any], output_dir: Path) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvshare bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--core", action="store_true", help="the core benchmark's settings (see above); flags given win")
-    p.add_argument("--preset", default=None, help=f"model shape ({known_presets()}); default small")
+    p.add_argument("--preset", default=None, help=f"{PRESET_HELP}; default {DEFAULT_PRESET}")
     p.add_argument("--model_dir", help="take the shape from a QKVShare or Llama model directory's config.json")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
     p.add_argument("--variants", nargs="*", help="default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
@@ -665,15 +668,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; with `--core`, the core benchmark's settings replace the defaults (given flags win)."""
+    """The command line; with `--core`, the core benchmark's settings replace the defaults (given flags win).
+
+    Every option that can be checked without the config or torch is checked here (light: see `qkvshare_cli`); a
+    `ValueError` names the bad option. `resolve_setup` checks the rest (override keys, variants, device).
+    """
     parser = build_parser()
     if "--core" in (sys.argv[1:] if argv is None else argv):
         parser.set_defaults(**CORE_SETTINGS)
-    return parser.parse_args(argv)
-
-
-def resolve_setup(args: argparse.Namespace) -> Setup:
-    """Check every option and build the configs; a `ValueError` that names the bad option, before any model."""
+    args = parser.parse_args(argv)
+    check_nonempty(args, ("variants", "sections"))
     for flag in ("context_lens", "batch_sizes"):
         if not getattr(args, flag) or min(getattr(args, flag)) <= 0:
             raise ValueError(f"--{flag} needs positive integers.")
@@ -681,17 +685,27 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
         raise ValueError("--new_tokens, --repeats and the --train_* sizes must be positive.")
     if args.warmup < 0 or (args.threads is not None and args.threads < 1) or args.budget_mib <= 0:
         raise ValueError("--warmup must be >= 0, --threads >= 1 and --budget_mib > 0.")
+    if args.capacity_context is not None and args.capacity_context < 1:
+        raise ValueError(f"--capacity_context {args.capacity_context}: must be a positive token count.")
     if args.attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"--attn_implementation {args.attn_implementation!r}: allowed: sdpa, eager.")
-    base = base_config(
-        args.preset or (None if args.model_dir else "small"), args.model_dir, parse_overrides(args.override)
-    )
+    check_shape_source(shape_preset(args), args.model_dir)
+    parse_overrides(args.override, check_keys=False)
+    return args
+
+
+def shape_preset(args: argparse.Namespace) -> str | None:
+    """The preset giving the shape: --preset, else the default one unless --model_dir gives it."""
+    return args.preset or (None if args.model_dir else DEFAULT_PRESET)
+
+
+def resolve_setup(args: argparse.Namespace) -> Setup:
+    """Build the configs and check what `parse_args` could not; a `ValueError` naming the option, before any model."""
+    base = base_config(shape_preset(args), args.model_dir, parse_overrides(args.override))
     longest = max(args.context_lens + [args.train_seq_len]) + args.new_tokens
     if base.max_position_embeddings < longest:  # RoPE/none: only a config limit; learned: needs the rows
         base = with_fields(base, max_position_embeddings=longest)
     variants = check_variants(base, args.variants or default_variants(base, plus=False))
-    if not variants:
-        raise ValueError("--variants is empty; give at least one variant name (e.g. QKV Q-K=V).")
     tie_points = list(dict.fromkeys(args.kv_tie_points or [base.kv_tie_point]))
 
     import torch
@@ -825,12 +839,12 @@ def write_report(args: argparse.Namespace, setup: Setup, report: dict[str, Any])
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qkvshare bench`: parse, check, build the models, measure, write."""
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         setup = resolve_setup(args)
         setup.output_dir.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
-        print(f"qkvshare bench: {err}", file=sys.stderr)
+        print(f"qkvshare bench: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
         print(f"qkvshare bench: cannot create --output_dir {args.output_dir!r} ({err}).", file=sys.stderr)

@@ -8,7 +8,9 @@ Design notes
   `attention_map_pe_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
 - Llama-architecture config.json files (model_type llama/mistral) map onto the Llama-style QKVShare fields, so
   the tools accept any such checkpoint directory.
-- This module imports only the configuration file of the core library, so `qkvshare costs` stays light.
+- Light at import time (standard library and `qkvshare.overrides` only): the commands' `parse_args` import it
+  without torch or transformers (see `qkvshare_cli`). The functions that build configs import the core library's
+  configuration module when called.
 """
 
 from __future__ import annotations
@@ -16,25 +18,55 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qkvshare.configuration_qkvshare import PRESETS, QKVShareConfig, parse_variant
 from qkvshare.overrides import parse_overrides as parse_override_items
 
-# The config's own model fields (everything below PreTrainedConfig's generic ones).
-MODEL_FIELDS = tuple(QKVShareConfig.__annotations__)
+if TYPE_CHECKING:  # the configuration module imports transformers: imported by the functions that build configs
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
+PRESET_HELP = "model shape preset: a QKVShareConfig.from_preset name (an unknown one is answered with the list)"
 
 
-def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
+def model_fields() -> tuple[str, ...]:
+    """The config's own model fields (everything below PreTrainedConfig's generic ones)."""
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
+    return tuple(QKVShareConfig.__annotations__)
+
+
+def parse_overrides(items: Iterable[str] | None, check_keys: bool = True) -> dict[str, Any]:
     """Parse `--override key=value ...` with the syntax every command shares (`qkvshare.overrides`); keys must be
-    QKVShareConfig fields. Raises `ValueError` naming the bad item or key."""
+    QKVShareConfig fields. Raises `ValueError` naming the bad item or key.
+
+    ``check_keys=False`` checks the syntax only, without importing the configuration module (the commands'
+    light `parse_args`); the key check then comes when the command runs.
+    """
     overrides = parse_override_items(items, "--override")
-    QKVShareConfig.check_field_names(overrides, "--override")
+    if check_keys:
+        from qkvshare.configuration_qkvshare import QKVShareConfig
+
+        QKVShareConfig.check_field_names(overrides, "--override")
     return overrides
+
+
+def check_shape_source(preset: str | None, model_dir: str | None) -> None:
+    """The model shape comes from exactly one of a preset and a model directory (a `ValueError` otherwise)."""
+    if (preset is None) == (model_dir is None):
+        raise ValueError("give exactly one of --preset NAME or --model_dir DIR (the model shape to analyse).")
+
+
+def check_nonempty(args: Any, flags: Iterable[str]) -> None:
+    """A list flag given with no value (``--variants`` alone) is a mistake, not a request for the defaults."""
+    for flag in flags:
+        if getattr(args, flag) == []:
+            raise ValueError(f"--{flag} is empty; give at least one value or leave the flag out.")
 
 
 def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
     """A Llama-style QKVShare config with the shape of a Llama/Mistral ``config.json`` (plain QKV or GQA)."""
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
     rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
     fields = dict(
         vocab_size=d["vocab_size"],
@@ -60,12 +92,14 @@ def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
 
 def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
     """The config of a QKVShare or Llama-architecture model directory (a clear error for a missing or damaged one)."""
+    from qkvshare.configuration_qkvshare import QKVShareConfig
     from qkvshare.evaluation.common import read_config_json
 
     d = read_config_json(model_dir)
     model_type = d.get("model_type")
     if model_type == "qkvshare":
-        return QKVShareConfig(**{k: v for k, v in d.items() if k in MODEL_FIELDS})
+        fields = model_fields()
+        return QKVShareConfig(**{k: v for k, v in d.items() if k in fields})
     if model_type in ("llama", "mistral"):
         return config_from_llama_dict(d)
     raise ValueError(
@@ -76,8 +110,9 @@ def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
 
 def base_config(preset: str | None = None, model_dir: str | None = None, overrides: dict[str, Any] | None = None):
     """The shape every variant shares: a preset or a model directory, then field overrides."""
-    if (preset is None) == (model_dir is None):
-        raise ValueError("give exactly one of --preset NAME or --model_dir DIR (the model shape to analyse).")
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
+    check_shape_source(preset, model_dir)
     if preset is not None:
         return QKVShareConfig.from_preset(preset, **(overrides or {}))
     base = config_from_model_dir(model_dir)
@@ -86,12 +121,16 @@ def base_config(preset: str | None = None, model_dir: str | None = None, overrid
 
 def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
     """A copy of ``config`` with some model fields replaced (validated like any new config)."""
-    values = {k: getattr(config, k) for k in MODEL_FIELDS} | fields
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
+    values = {k: getattr(config, k) for k in model_fields()} | fields
     return QKVShareConfig(**values)
 
 
 def variant_config(base: QKVShareConfig, variant: str) -> QKVShareConfig:
     """``base`` turned into the paper variant ``variant`` (same shape; only the sharing fields change)."""
+    from qkvshare.configuration_qkvshare import parse_variant
+
     parsed = parse_variant(variant, base.num_attention_heads)
     if not parsed["attention_map_pe_dim"]:
         parsed["attention_map_pe_dim"] = 0
@@ -155,7 +194,3 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines)
-
-
-def known_presets() -> str:
-    return ", ".join(PRESETS)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qkvshare.analysis.common import default_variants, known_presets, markdown_table
+from qkvshare.analysis.common import PRESET_HELP, check_nonempty, check_variants, default_variants, markdown_table
 from qkvshare.analysis.conventions import HelpFormatter, slug
 from qkvshare.analysis.plotting import line_plot
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--variants", nargs="*", help="default: QKV, Q-K=V, Q=K-V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
     p.add_argument("--output_dir", default="outputs/compare", help="runs/<variant>/, logs/, the table and the plot")
-    p.add_argument("--preset", default=DEFAULTS["preset"], help=f"model preset ({known_presets()})")
+    p.add_argument("--preset", default=DEFAULTS["preset"], help=PRESET_HELP)
     p.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"], help="optimizer steps per variant")
     p.add_argument(
         "--per_device_train_batch_size",
@@ -83,6 +83,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--table_only", action="store_true", help="do not train; tabulate the finished variants")
     return p
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """Compare's own options and the flags it passes to the trainer unchanged (`parse_known_args`).
+
+    Every option that can be checked without the config is checked here (light: no torch, see `qkvshare_cli`); a
+    `ValueError` names the bad option. `main` checks the preset and the variant names, which need the config.
+    """
+    args, passthrough = build_parser().parse_known_args(argv)
+    check_nonempty(args, ("variants",))
+    if args.variants and len({slug(v) for v in args.variants}) != len(args.variants):
+        raise ValueError(f"--variants has duplicates: {args.variants}.")
+    for flag in ("max_steps", "per_device_train_batch_size", "block_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1.")
+    reserved = {"--variant", "--resume_from_checkpoint", "--overwrite_output_dir", "--logging_steps"}
+    clash = sorted(reserved & {a.split("=")[0] for a in passthrough})
+    if clash:
+        verb = "is" if len(clash) == 1 else "are"
+        raise ValueError(f"{', '.join(clash)} {verb} set by compare itself per variant; leave them out.")
+    return args, passthrough
+
+
+def ordered_variants(preset: str, given: list[str] | None) -> list[str]:
+    """The variants to train, checked against the preset: QKV first (the reference of the "vs QKV" column), then
+    Q-K=V, Q=K-V, Q=K=V (the issue's order), then the others as given; default: `default_variants` of the preset.
+    """
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
+    base = QKVShareConfig.from_preset(preset)
+    variants = given or default_variants(base, plus=False)
+    first = ["QKV", "Q-K=V", "Q=K-V", "Q=K=V"]
+    return check_variants(base, [v for v in first if v in variants] + [v for v in variants if v not in first])
 
 
 def shared_train_args(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
@@ -267,34 +300,15 @@ def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qkvshare compare`."""
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
-    args, passthrough = build_parser().parse_known_args(argv)
-    output_dir = Path(args.output_dir)
     try:
-        heads = QKVShareConfig.from_preset(args.preset).num_attention_heads
-        variants = args.variants or default_variants(QKVShareConfig.from_preset(args.preset), plus=False)
-        variants = [v for v in ["QKV", "Q-K=V", "Q=K-V", "Q=K=V"] if v in variants] + [
-            v for v in variants if v not in ("QKV", "Q-K=V", "Q=K-V", "Q=K=V")
-        ]  # the issue's order: QKV first, the reference of the "vs QKV" column
-        from qkvshare.configuration_qkvshare import parse_variant
-
-        for v in variants:
-            parse_variant(v, heads)
-        if len({slug(v) for v in variants}) != len(variants):
-            raise ValueError(f"--variants has duplicates: {variants}.")
-        for flag in ("max_steps", "per_device_train_batch_size", "block_size"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag} must be at least 1.")
-        reserved = {"--variant", "--resume_from_checkpoint", "--overwrite_output_dir", "--logging_steps"}
-        clash = sorted(reserved & {a.split("=")[0] for a in passthrough})
-        if clash:
-            raise ValueError(f"{', '.join(clash)} are set by compare itself per variant; leave them out.")
+        args, passthrough = parse_args(argv)
+        output_dir = Path(args.output_dir)
+        variants = ordered_variants(args.preset, args.variants)
         train_args = shared_train_args(args, passthrough)
         if not args.table_only:
             check_settings(output_dir, {"train_args": train_args, "variants": variants})
     except ValueError as err:
-        print(f"qkvshare compare: {err}", file=sys.stderr)
+        print(f"qkvshare compare: error: {err}", file=sys.stderr)
         return 2
 
     if not args.table_only:

@@ -32,19 +32,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkvshare.analysis.common import (
+    PRESET_HELP,
     base_config,
+    check_nonempty,
+    check_shape_source,
     check_variants,
     default_variants,
-    known_presets,
     markdown_table,
     parse_overrides,
     variant_config,
 )
 from qkvshare.analysis.conventions import DTYPE_BYTES, DTYPE_NAMES, HelpFormatter
-from qkvshare.configuration_qkvshare import QKVShareConfig
+
+if TYPE_CHECKING:  # transformers and torch are imported after the command line is checked (fast --help)
+    from qkvshare.configuration_qkvshare import QKVShareConfig
 
 # Cache element types: the `--dtype` names of every command (and their aliases), plus the 8-bit ones.
 BYTES_PER_ELEMENT = {name: DTYPE_BYTES[c] for name, c in DTYPE_NAMES.items() if c != "auto"} | {"fp8": 1, "int8": 1}
@@ -315,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="qkvshare costs", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
     )
-    p.add_argument("--preset", help=f"model shape preset ({known_presets()})")
+    p.add_argument("--preset", help=PRESET_HELP)
     p.add_argument("--model_dir", help="a QKVShare or Llama-architecture model directory (its config.json)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
     p.add_argument(
@@ -338,22 +342,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of `qkvshare costs`, checked as far as it can be without the config (light: no torch, see
+    `qkvshare_cli`); a `ValueError` names the bad option. Override keys, the preset and variants are checked by
+    `main`, which builds the config."""
+    args = build_parser().parse_args(argv)
+    check_shape_source(args.preset, args.model_dir)
+    parse_overrides(args.override, check_keys=False)
+    check_nonempty(args, ("variants", "seq_lens", "context_lens", "dtypes"))
+    if any(t <= 0 for t in (args.seq_lens or []) + (args.context_lens or [])):
+        raise ValueError("--seq_lens and --context_lens must be positive token counts.")
+    unknown = [dt for dt in args.dtypes if dt not in BYTES_PER_ELEMENT]
+    if unknown:
+        raise ValueError(f"--dtypes {', '.join(unknown)}: not known; allowed: {', '.join(BYTES_PER_ELEMENT)}.")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `qkvshare costs`."""
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(argv)
         base = base_config(args.preset, args.model_dir, parse_overrides(args.override))
         variants = check_variants(base, args.variants or default_variants(base))
-        for flag in ("seq_lens", "context_lens", "dtypes"):
-            if getattr(args, flag) == []:
-                raise ValueError(f"--{flag} is empty; give at least one value or leave the flag out.")
-        if any(t <= 0 for t in (args.seq_lens or []) + (args.context_lens or [])):
-            raise ValueError("--seq_lens and --context_lens must be positive token counts.")
-        unknown = [dt for dt in args.dtypes if dt not in BYTES_PER_ELEMENT]
-        if unknown:
-            raise ValueError(f"--dtypes {', '.join(unknown)}: not known; allowed: {', '.join(BYTES_PER_ELEMENT)}.")
     except ValueError as err:
-        print(f"qkvshare costs: {err}", file=sys.stderr)
+        print(f"qkvshare costs: error: {err}", file=sys.stderr)
         return 2
     notes: list[str] = []
     seq_lens = resolve_lengths("seq_lens", args.seq_lens, DEFAULT_SEQ_LENS, base.max_position_embeddings, notes)

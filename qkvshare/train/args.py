@@ -24,6 +24,8 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
+from qkvshare.analysis.conventions import HelpFormatter
+
 
 class TrainingSetupError(ValueError):
     """Bad input found before training starts; the message says what is wrong and how to fix it."""
@@ -237,7 +239,11 @@ def parse_args(argv: list[str] | None = None) -> Arguments:
     an unknown flag (naming the closest known one), a value of the wrong type, or a broken recipe."""
     argv = list(argv or [])
     parser = _ArgumentParser(
-        ARGUMENT_CLASSES, prog="qkvshare train", description="Pretrain a QKVShare model.", allow_abbrev=False
+        ARGUMENT_CLASSES,
+        prog="qkvshare train",
+        description="Pretrain a QKVShare model.",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,  # each default shown once
     )
     if argv and not argv[0].startswith("-"):
         parser.recipe = argv.pop(0)
