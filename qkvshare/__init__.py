@@ -13,7 +13,14 @@ import transformers
 from transformers.utils import logging
 
 from . import modeling_qkvshare
-from .cache_qkvshare import CacheLayout, LinearAttentionStateLayer, QKVShareCache, TiedKVLayer
+from .cache_qkvshare import (
+    CacheLayout,
+    LinearAttentionStateLayer,
+    QKVShareCache,
+    QKVShareStaticCache,
+    TiedKVLayer,
+    TiedStaticLayer,
+)
 from .configuration_qkvshare import (
     ARCHITECTURE_STYLES,
     AUTO_MODEL_CLASSES,
@@ -77,6 +84,8 @@ __all__ = [
     "QKVShareForSequenceClassification",
     "QKVShareForTokenClassification",
     "QKVShareCache",
+    "QKVShareStaticCache",
+    "TiedStaticLayer",
     "TiedKVLayer",
     "LinearAttentionStateLayer",
     "CacheLayout",

@@ -1,4 +1,5 @@
-"""`QKVShareCache`: a transformers `Cache` that stores ONE tensor for layers whose key and value are tied.
+"""`QKVShareCache` and `QKVShareStaticCache`: transformers caches that store ONE tensor for layers whose key and
+value are tied.
 
 Design notes
 - Layers in mode "kv" (Q-K=V) and "qkv" (Q=K=V) get a `TiedKVLayer`, which keeps a single tensor
@@ -9,10 +10,18 @@ Design notes
   cache also keeps `positions` (B, T) when the config needs them (pre-RoPE ties, or the "+" attention-map
   encoding, whose column term depends on the key position). Storing positions instead of assuming 0..T-1
   keeps left-padded batches, beam search and assisted decoding exact.
+- `QKVShareStaticCache` is the preallocated form (`generate(cache_implementation="static")` builds it): a tied
+  layer gets a `TiedStaticLayer`, ONE (B, H_kv, max_cache_len, D) buffer written in place and returned as key and
+  value; untied layers get transformers' `StaticLayer` (two buffers). Positions, when tracked, live in a
+  (B, max_cache_len) int64 buffer written at the same slots, so pre-RoPE rotation on read and the "+" column term
+  are exact; unwritten slots hold zeros (finite after rotation and in the "+" bias) and the mask, as wide as the
+  buffer, hides them. `nbytes()` counts the whole buffers. For a tiny Q-K=V model (2 layers, 4 heads, D=16, fp32,
+  batch 2, 16 slots) it is 16,384 bytes against 32,768 for transformers' `StaticCache`: one half.
 - `attention_kernel="linear"` layers (the paper's appendix recurrence) get a `LinearAttentionStateLayer`: a
   constant-size state instead of per-token keys and values.
 - Every transformers cache operation (beam reorder, crop for assisted decoding, batch repeat/select,
-  offload, reset) is implemented for both the tied layers and the positions.
+  offload, reset) is implemented for both the tied layers and the positions; the static cache, like transformers'
+  `StaticCache`, has no batch repeat/select.
 - A cache records what it was built for (`CacheLayout`: per-layer kinds, tie point, head shape, whether positions
   are tracked). The model compares it with its own layout once per forward and refuses a cache built for another
   model: a post-RoPE cache read by a pre-RoPE model would give wrong logits, other mismatches crash deep inside.
@@ -25,12 +34,37 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
+from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
 
 
-class TiedKVLayer(DynamicLayer):
+def _check_tied(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
+    if value_states is not None and value_states is not key_states:
+        raise ValueError(
+            f"{type(layer).__name__} stores one tensor: pass the tied state as `key_states` and None (or the same "
+            "tensor) as `value_states`."
+        )
+
+
+class OneTensorLayerMixin:
+    """Moves of a layer whose only state is `keys` (the tied K/V tensor): offload, prefetch and beam reorder."""
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.to("cpu", non_blocking=True)
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.keys.device != self.device:
+            self.keys = self.keys.to(self.device, non_blocking=True)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length() > 0:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+
+
+class TiedKVLayer(OneTensorLayerMixin, DynamicLayer):
     """Cache layer for a tied-K/V attention layer.
 
     State: `keys` (B, H_kv, T, D), the one cached tensor, returned as both key and value; `values` stays
@@ -46,27 +80,11 @@ class TiedKVLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tied states (B, H_kv, T_new, D) and return the whole tensor twice (key, value)."""
-        if value_states is not None and value_states is not key_states:
-            raise ValueError(
-                "TiedKVLayer stores one tensor: pass the tied state as `key_states` and None (or the same tensor) "
-                "as `value_states`."
-            )
+        _check_tied(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         return self.keys, self.keys
-
-    def offload(self) -> None:
-        if self.is_initialized:
-            self.keys = self.keys.to("cpu", non_blocking=True)
-
-    def prefetch(self) -> None:
-        if self.is_initialized and self.keys.device != self.device:
-            self.keys = self.keys.to(self.device, non_blocking=True)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.get_seq_length() > 0:
-            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -81,6 +99,49 @@ class TiedKVLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
             self.keys = self.keys[indices, ...]
+
+
+class TiedStaticLayer(OneTensorLayerMixin, StaticLayer):
+    """Static cache layer for a tied-K/V attention layer: one preallocated buffer instead of transformers' two.
+
+    State: `keys` (B, H_kv, max_cache_len, D), allocated (zeros) on the first update and written in place at the
+    slots of the new tokens; returned as both key and value. `values` stays None. `cumulative_length` (a 0-d tensor,
+    as in `StaticLayer`) counts the tokens written; slots beyond it are hidden by the mask (its key length is
+    `max_cache_len`, see `StaticLayer.get_mask_sizes`).
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        # StaticLayer's own initialization would allocate a second (value) buffer: same steps, one buffer.
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim = self.v_head_dim = key_states.shape[-1]
+        self.keys = torch.zeros(
+            (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim),
+            dtype=key_states.dtype,
+            device=self.device,
+        )  # (B, H_kv, max_cache_len, D)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not is_torchdynamo_compiling():  # fixed addresses for cudagraphs, as StaticLayer does
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.cumulative_length)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tied states (B, H_kv, T_new, D) after the cached ones; return the whole buffer twice."""
+        _check_tied(self, key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        slots = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+        self.cumulative_length.add_(key_states.shape[-2])  # in place: the address stays fixed
+        self.keys.index_copy_(2, slots, key_states)
+        return self.keys, self.keys
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+        self.cumulative_length.zero_()
 
 
 class LinearAttentionStateLayer(CacheLayerMixin):
@@ -191,6 +252,11 @@ LAYER_CLASSES: dict[str, type[CacheLayerMixin]] = {
     "tied": TiedKVLayer,  # tied K/V: one tensor (B, H_kv, T, D)
     "linear_state": LinearAttentionStateLayer,  # attention_kernel="linear": a constant-size state
 }
+# The same kinds preallocated to a fixed length (`QKVShareStaticCache`); a linear-attention state has no length.
+STATIC_LAYER_CLASSES: dict[str, type[StaticLayer]] = {
+    "key_value": StaticLayer,  # key and value, each (B, H_kv, max_cache_len, D)
+    "tied": TiedStaticLayer,  # one buffer (B, H_kv, max_cache_len, D)
+}
 
 
 @dataclass(frozen=True)
@@ -269,20 +335,27 @@ class QKVShareCache(Cache):
     `generate()` and a forward with `use_cache=True` create one by default. `nbytes()` gives the bytes held.
     """
 
+    _rebuild_arguments = ""  # what `check_layout`'s message adds after `config=` to build a fitting cache
+
     def __init__(self, config: QKVShareConfig, offloading: bool = False):
         self.layout: CacheLayout = CacheLayout.for_config(config)
-        super().__init__(layers=[LAYER_CLASSES[kind]() for kind in self.layout.layer_kinds], offloading=offloading)
+        super().__init__(layers=[self.new_layer(kind) for kind in self.layout.layer_kinds], offloading=offloading)
         self.positions: torch.Tensor | None = None
+
+    def new_layer(self, kind: str) -> CacheLayerMixin:
+        """An empty cache layer of this kind (a key of `LAYER_CLASSES`)."""
+        return LAYER_CLASSES[kind]()
 
     def check_layout(self, expected: CacheLayout) -> None:
         """Raise a ValueError naming what differs when this cache was built for a model with another layout."""
         if self.layout == expected:
             return
+        name = type(self).__name__
         raise ValueError(
-            "cache: this QKVShareCache was built for a different model (cache vs model: "
+            f"cache: this {name} was built for a different model (cache vs model: "
             + "; ".join(self.layout.differences(expected))
-            + "). Build it with QKVShareCache(config=model.config), or pass no cache and let the model (or "
-            "generate()) create one."
+            + f"). Build it with {name}(config=model.config{self._rebuild_arguments}), or pass no cache and let the "
+            "model (or generate()) create one."
         )
 
     def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -335,4 +408,76 @@ class QKVShareCache(Cache):
             self.positions = self.positions[indices, ...]
 
 
-__all__ = ["QKVShareCache", "TiedKVLayer", "LinearAttentionStateLayer", "CacheLayout"]
+class QKVShareStaticCache(QKVShareCache):
+    """Static (preallocated) KV cache for QKVShare models: one buffer per tied layer, two per untied layer.
+
+    Args:
+        config: the model's `QKVShareConfig` (decides per layer what is stored; `attention_kernel="linear"` has no
+            static form).
+        max_cache_len: number of token slots preallocated per layer (prompt + new tokens).
+        offloading: keep layers on the CPU between uses (transformers' `Cache` option).
+
+    State:
+        layout: the `CacheLayout` the cache was built for, the same as the dynamic `QKVShareCache`'s.
+        layers: `TiedStaticLayer` (one buffer (B, H_kv, max_cache_len, D)) for modes "kv" and "qkv", transformers'
+            `StaticLayer` (keys and values, each (B, H_kv, max_cache_len, D)) otherwise; allocated on first use.
+        positions: (B, max_cache_len) int64 position ids written at the slots of the cached tokens, kept only when
+            `layout.track_positions`; slots not yet written hold 0 and are hidden by the mask.
+
+    `generate(cache_implementation="static")` creates one. `nbytes()` gives the bytes allocated (whole buffers).
+    """
+
+    def __init__(self, config: QKVShareConfig, max_cache_len: int, offloading: bool = False):
+        if config.attention_kernel == "linear":
+            raise ValueError(
+                "QKVShareStaticCache: attention_kernel='linear' keeps a constant-size state, which has no static form; "
+                "use QKVShareCache(config=model.config) (generate() without cache_implementation)."
+            )
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(
+                f"QKVShareStaticCache: max_cache_len must be a positive int (the prompt plus the new tokens), got "
+                f"{max_cache_len!r}."
+            )
+        self.max_cache_len: int = max_cache_len
+        super().__init__(config, offloading=offloading)
+
+    @property
+    def _rebuild_arguments(self) -> str:
+        return f", max_cache_len={self.max_cache_len}"
+
+    def new_layer(self, kind: str) -> StaticLayer:
+        """An empty static layer of this kind (a key of `STATIC_LAYER_CLASSES`), `max_cache_len` slots long."""
+        return STATIC_LAYER_CLASSES[kind](max_cache_len=self.max_cache_len)
+
+    def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Write the position ids (B, T_new) of the tokens being added at their slots (right after the cached tokens);
+        return the whole (B, max_cache_len) buffer. Called once per forward by the model, before the layers update.
+        """
+        if not self.layout.track_positions:
+            return position_ids
+        position_ids = position_ids.to(torch.long)
+        if self.positions is None:
+            self.positions = position_ids.new_zeros((position_ids.shape[0], self.max_cache_len))
+        # The layers have not written this forward's tokens yet: their length is the slot of the first new one.
+        slots = torch.arange(position_ids.shape[-1], device=self.positions.device) + self.get_seq_length()
+        self.positions.index_copy_(1, slots, position_ids.to(self.positions.device))
+        return self.positions
+
+    def reset(self) -> None:
+        Cache.reset(self)  # the buffers keep their size and address
+        if self.positions is not None:
+            self.positions.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # Only the layers' lengths shrink; the next update overwrites the slots of the removed tokens and positions.
+        Cache.crop(self, tokens_to_remove)
+
+
+__all__ = [
+    "QKVShareCache",
+    "QKVShareStaticCache",
+    "TiedKVLayer",
+    "TiedStaticLayer",
+    "LinearAttentionStateLayer",
+    "CacheLayout",
+]

@@ -5,7 +5,7 @@ Design notes
 - Each attention layer decides in `__init__` which projections exist (Llama's names, so Llama checkpoints
   load unchanged): "none" q,k,v,o; "qk" (Q=K-V) k,v,o with query = key; "kv" (Q-K=V) q,k,o with
   value = key; "qkv" (Q=K=V) k,o. A dropped projection is not created: no dead weights.
-- Tied layers hand ONE tensor to `QKVShareCache` (see cache_qkvshare.py). With RoPE the tie is either
+- Tied layers hand ONE tensor to `QKVShareCache` or `QKVShareStaticCache` (see cache_qkvshare.py). With RoPE the tie is either
   after rotation (`kv_tie_point="post_rope"`, V is the rotated key) or before (`"pre_rope"`, V is the key
   projection's output; the cache stores it and keys are rotated on read from the cached positions).
 - The "+" 2D positional encoding of the attention map (paper section 3, m channels, a 1x1 map with weight w
@@ -16,7 +16,7 @@ Design notes
 - RoPE cos/sin, the key positions and the "+" encodings are computed once per forward in the base model.
 - Inputs are checked before any work: the cache (a QKVShareCache built for this model, or a transformers cache the
   model can use exactly), the shapes of input_ids/inputs_embeds and attention_mask. "+" models refuse foreign
-  caches: only QKVShareCache records the positions of cached keys, which the column term of the map needs.
+  caches: only the QKVShare caches record the positions of cached keys, which the column term of the map needs.
 - `past_key_values=` is accepted (with transformers' deprecation warning) wherever `cache=` is, as in Llama.
 - Only single-dot imports of package files: `save_pretrained` copies these files into checkpoints.
 """
@@ -54,7 +54,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_qkvshare import CacheLayout, QKVShareCache
+from .cache_qkvshare import CacheLayout, QKVShareCache, QKVShareStaticCache
 from .configuration_qkvshare import QKVShareConfig
 from .linear_attention_qkvshare import QKVShareLinearAttention
 
@@ -332,8 +332,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
             return
         name = type(cache).__name__
         fix = (
-            "pass no cache (forward with use_cache=True and generate() create a QKVShareCache) or "
-            "cache=QKVShareCache(config=model.config)"
+            "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "
+            "generate(cache_implementation='static') a QKVShareStaticCache) or cache=QKVShareCache(config=model.config)"
         )
         if not isinstance(cache, Cache):
             raise ValueError(f"cache must be a transformers Cache, got a {name}; {fix}.")
@@ -345,8 +345,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
         if self.config.attention_map_pe_dim:
             raise ValueError(
                 f"cache: attention_map_pe_dim={self.config.attention_map_pe_dim} (a '+' variant) needs the position "
-                f"of every cached key, which only QKVShareCache records; a {name} does not (assuming positions "
-                f"0..past-1 would be wrong for left-padded batches). Do not set cache_implementation, and {fix}."
+                f"of every cached key, which only QKVShare caches record; a {name} does not (assuming positions "
+                f"0..past-1 would be wrong for left-padded batches). To fix it, {fix}."
             )
         expected, held = self.config.num_hidden_layers, len(cache.layers)
         grows = getattr(cache, "layer_class_to_replicate", None) is not None  # DynamicCache(): layers come on use
@@ -528,7 +528,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
 
 
 class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
-    """QKVShare language model. `generate()` uses `QKVShareCache` unless a cache or cache_implementation is given.
+    """QKVShare language model. `generate()` uses `QKVShareCache`, or `QKVShareStaticCache` with
+    `cache_implementation="static"`, unless a cache or another cache_implementation is given.
 
     Other transformers caches (DynamicCache, StaticCache, ...) are exact but store K and V separately; the "+"
     variants and `attention_kernel="linear"` refuse them with a ValueError (see `QKVShareModel._check_cache`).
@@ -548,18 +549,21 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
-        # transformers would default to DynamicCache (K and V stored separately); ours stores one tensor per tied
-        # layer. An explicit cache or cache_implementation ("dynamic", "static", ...) keeps transformers' choice,
-        # which the model's forward then checks.
-        if (
-            model_kwargs.get("cache") is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation is None
-        ):
-            model_kwargs["cache"] = QKVShareCache(config=self.config)
-            if generation_config.is_assistant:
-                model_kwargs["cache"].activate_past_recording()
-            return
+        # transformers would default to DynamicCache and build a StaticCache for "static" (K and V stored
+        # separately); ours store one tensor per tied layer. An explicit cache or another cache_implementation
+        # ("dynamic", "offloaded", ...) keeps transformers' choice, which the model's forward then checks.
+        implementation = generation_config.cache_implementation
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            if implementation is None:
+                model_kwargs["cache"] = QKVShareCache(config=self.config)
+            elif implementation == "static":
+                # Sized as transformers sizes its StaticCache: this call's max length, or max_cache_len if larger.
+                length = max(max_cache_length, generation_config.max_cache_len or 0)
+                model_kwargs["cache"] = QKVShareStaticCache(config=self.config, max_cache_len=length)
+            if model_kwargs.get("cache") is not None:
+                if generation_config.is_assistant:
+                    model_kwargs["cache"].activate_past_recording()
+                return
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )

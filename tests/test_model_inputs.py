@@ -106,8 +106,10 @@ def test_plus_model_refuses_foreign_caches(variant):
         assert cache.get_seq_length() == 0  # refused before any layer ran
         with pytest.raises(ValueError, match=message):
             model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=cache)
-    with pytest.raises(ValueError, match="a StaticCache does not .* Do not set cache_implementation"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static")
+    # cache_implementation="static" builds a QKVShareStaticCache, which records the positions.
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    static = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(static, model.generate(ids, use_cache=False, **kwargs))
 
 
 def test_plus_model_beam_search_equals_uncached():
@@ -129,7 +131,7 @@ def test_tied_model_is_exact_with_foreign_caches(overrides):
     ids, mask = left_padded_batch()
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     default = model.generate(ids, **kwargs)
-    static = model.generate(ids, cache_implementation="static", **kwargs)
+    static = model.generate(ids, cache=StaticCache(config=model.config, max_cache_len=12), **kwargs)
     dynamic = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
     assert (type(default.cache), type(static.cache), type(dynamic.cache)) == (QKVShareCache, StaticCache, DynamicCache)
     assert torch.equal(static.sequences, default.sequences) and torch.equal(dynamic.sequences, default.sequences)
