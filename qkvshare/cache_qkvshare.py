@@ -358,6 +358,20 @@ class QKVShareCache(Cache):
             "model (or generate()) create one."
         )
 
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raise a ValueError when the cache already holds states of another batch size (shape metadata only)."""
+        for layer in self.layers:
+            held = next(
+                (t for t in (getattr(layer, "keys", None), getattr(layer, "state", None)) if t is not None), None
+            )
+            if held is not None and held.shape[0] != batch_size:
+                raise ValueError(
+                    f"cache: this {type(self).__name__} holds states for a batch of {held.shape[0]}, but the input has "
+                    f"a batch of {batch_size}; pass inputs of the cached batch size, or a new cache (or none) for a "
+                    "new batch."
+                )
+            return
+
     def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Append the position ids (B, T_new) of the tokens being added; return those of all cached tokens (B, T).
 

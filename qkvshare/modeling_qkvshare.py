@@ -384,6 +384,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
             raise ValueError(
                 f"{name} has shape {shape}: no tokens to run; pass at least one sequence of at least one token."
             )
+        if isinstance(cache, QKVShareCache):  # a cache filled for another batch would fail deep inside torch
+            cache.check_batch_size(shape[0])
         if attention_mask is not None:
             self._check_attention_mask(attention_mask, name, shape, cache)
 

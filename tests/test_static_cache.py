@@ -8,7 +8,7 @@ from test_core import COMBOS, VOCAB, model_for, tiny
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from qkvshare import QKVShareCache, QKVShareStaticCache, TiedStaticLayer
+from qkvshare import QKVShareCache, QKVShareConfig, QKVShareForCausalLM, QKVShareStaticCache, TiedStaticLayer
 
 MAX_LEN = 16  # longer than the 12 tokens decoded: the last slots stay unwritten (the mask must hide them)
 
@@ -137,3 +137,17 @@ def test_static_cache_built_for_another_model_is_refused():
 def test_bad_static_cache_arguments_are_refused(config, max_cache_len, message):
     with pytest.raises(ValueError, match=message):
         QKVShareStaticCache(config, max_cache_len=max_cache_len)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_cache_filled_for_another_batch_size_is_refused(static):
+    """A cache holding states of batch 2 fed a batch of 1 raises a ValueError naming both sizes (it used to fail
+    inside torch.cat / index_copy_)."""
+    config = QKVShareConfig.from_preset("tiny", "Q-K=V")
+    model = QKVShareForCausalLM(config).eval()
+    cache = QKVShareStaticCache(config=config, max_cache_len=16) if static else QKVShareCache(config=config)
+    model(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="holds states for a batch of 2, but the input has a batch of 1"):
+        model(torch.tensor([[7]]), cache=cache, use_cache=True)
+    model(torch.tensor([[7], [8]]), cache=cache, use_cache=True)  # the cached batch size still works
+    assert cache.get_seq_length() == 4
