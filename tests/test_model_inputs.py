@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from test_core import VOCAB, tiny
 from transformers import DynamicCache, StaticCache
 
 from qkvshare import (
@@ -17,12 +18,6 @@ from qkvshare import (
     QKVShareForSequenceClassification,
     QKVShareModel,
 )
-
-VOCAB = 128
-
-
-def tiny(variant: str = "QKV", **overrides) -> QKVShareConfig:
-    return QKVShareConfig.from_preset("tiny", variant, **overrides)
 
 
 def build(model_class, config: QKVShareConfig, attn: str = "sdpa"):
