@@ -42,6 +42,8 @@ ATTENTION_MAP_PE_LAYOUTS = ("original", "reproduction")
 ATTENTION_MAP_PE_INITS = ("unit_scale", "xavier", "normal")
 ATTENTION_KERNELS = ("softmax", "linear")
 LINEAR_ATTENTION_FEATURE_MAPS = ("elu_plus_one", "relu")
+# Per-layer attention types (`layer_types`), transformers' names: all tokens, or the last `sliding_window` ones.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Paper name of each projection-sharing mode (Table 1 of the paper).
 PAPER_NAMES = {"none": "QKV", "qk": "Q=K-V", "kv": "Q-K=V", "qkv": "Q=K=V"}
@@ -304,6 +306,11 @@ class QKVShareConfig(PreTrainedConfig):
             (Q=K=V kernelized attention with a constant-size state), with `linear_attention_feature_map`,
             `linear_attention_decay` (lambda) and `linear_attention_normalize` (divide the readout by
             phi(z)^T n_t, default True; False is the paper's formula exactly).
+        sliding_window (`int`, *optional*): as in Mistral, each token attends to the last `sliding_window` tokens
+            (itself included) and the cache keeps only those (one windowed tensor per tied layer). None (default):
+            full attention. With `is_causal=False`, transformers' bidirectional window |i - j| <= sliding_window.
+        layer_types (`list[str]`, *optional*): one of `"full_attention"`, `"sliding_attention"` per layer (as in
+            Gemma/Qwen2); None: every layer slides when `sliding_window` is set, none otherwise.
 
     The remaining fields follow `LlamaConfig`. Use `QKVShareConfig.from_preset(name, variant, **overrides)`.
     Every bad value raises a `ValueError` naming the field, the value and what is allowed.
@@ -346,6 +353,8 @@ class QKVShareConfig(PreTrainedConfig):
     linear_attention_feature_map: str = "elu_plus_one"
     linear_attention_decay: int | float = 1.0
     linear_attention_normalize: bool = True
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -446,6 +455,35 @@ class QKVShareConfig(PreTrainedConfig):
                 )
             if not 0.0 < self.linear_attention_decay <= 1.0:
                 raise ValueError(f"linear_attention_decay={self.linear_attention_decay} must be in (0, 1].")
+        self.check_window_fields()
+
+    def check_window_fields(self) -> None:
+        """Checks of `sliding_window` and `layer_types` (part of `check_sharing_fields`)."""
+        if self.sliding_window is not None:
+            if self.sliding_window < 2:
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} must be None (full attention) or an int >= 2: the number of "
+                    "most recent tokens, the current one included, that each token attends to (Mistral uses 4096)."
+                )
+            if self.attention_kernel == "linear":
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} does not apply to attention_kernel='linear' (a recurrence "
+                    "over all tokens); set sliding_window=None."
+                )
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}; give "
+                "exactly one attention type per layer (or None)."
+            )
+        for i, layer_type in enumerate(self.layer_types):
+            _choice(f"layer_types[{i}]", layer_type, LAYER_TYPES)
+            if layer_type == "sliding_attention" and self.sliding_window is None:
+                raise ValueError(
+                    f"layer_types[{i}]='sliding_attention' needs a window: set sliding_window (an int >= 2), or make "
+                    "the layer 'full_attention'."
+                )
 
     # ----- per-layer decisions, used by the model, the cache and the tools -----
     def layer_sharing(self, layer_idx: int) -> str:
@@ -453,6 +491,12 @@ class QKVShareConfig(PreTrainedConfig):
         if self.layer_projection_sharing is not None:
             return self.layer_projection_sharing[layer_idx]
         return self.projection_sharing
+
+    def layer_attention_type(self, layer_idx: int) -> str:
+        """`"sliding_attention"` or `"full_attention"` for layer `layer_idx` (see `sliding_window`, `layer_types`)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer_idx]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
 
     def is_kv_tied(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` caches one tensor (its key and value are tied)."""
