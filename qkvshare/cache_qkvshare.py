@@ -1,30 +1,48 @@
-"""`QKVShareCache` and `QKVShareStaticCache`: transformers caches that store ONE tensor for layers whose key and
-value are tied.
+"""QKVShare caches: transformers caches that store ONE tensor for layers whose key and value are tied, for every
+cache kind transformers offers through `generate(cache_implementation=...)`.
 
 Design notes
-- Layers in mode "kv" (Q-K=V) and "qkv" (Q=K=V) get a `TiedKVLayer`, which keeps a single tensor
-  `keys` of shape (B, H_kv, T, D) and returns it as both key and value. Untied layers get transformers'
-  ordinary `DynamicLayer`. So the memory the paper promises (half the cache for Q-K=V) is really freed.
+- Layers in mode "kv" (Q-K=V) and "qkv" (Q=K=V) get a tied layer, which keeps a single tensor `keys` of shape
+  (B, H_kv, T, D) and returns it as both key and value (`values` stays None); untied layers get transformers' own
+  layer of the same kind. So the memory the paper promises (half the cache for Q-K=V) is really freed. Each tied
+  layer subclasses the transformers layer it replaces and changes only what touches the second tensor:
+      kind (cache_implementation)      untied layer (transformers)   tied layer (here)
+      dynamic, offloaded               DynamicLayer                  TiedKVLayer
+      static, offloaded_static         StaticLayer                   TiedStaticLayer (one preallocated buffer)
+      sliding window, dynamic          DynamicSlidingWindowLayer     TiedSlidingWindowLayer (one windowed tensor)
+      sliding window, static           StaticSlidingWindowLayer      TiedStaticSlidingWindowLayer
+      quantized, backend quanto / hqq  Quanto/HQQQuantizedLayer      TiedQuanto/TiedHQQQuantizedLayer (one quantized
+                                                                     tensor plus one residual buffer)
+      quantized, backend fp8           Fp8QuantizedLayer             TiedFp8QuantizedLayer
 - With RoPE and `kv_tie_point="pre_rope"`, the stored tensor is the key projection's output before rotation
   (it is the value); the model rotates it on read. That needs the positions of the cached tokens, so the
-  cache also keeps `positions` (B, T) when the config needs them (pre-RoPE ties, or the "+" attention-map
-  encoding, whose column term depends on the key position). Storing positions instead of assuming 0..T-1
-  keeps left-padded batches, beam search and assisted decoding exact.
-- `QKVShareStaticCache` is the preallocated form (`generate(cache_implementation="static")` builds it): a tied
-  layer gets a `TiedStaticLayer`, ONE (B, H_kv, max_cache_len, D) buffer written in place and returned as key and
-  value; untied layers get transformers' `StaticLayer` (two buffers). Positions, when tracked, live in a
-  (B, max_cache_len) int64 buffer written at the same slots, so pre-RoPE rotation on read and the "+" column term
-  are exact; unwritten slots hold zeros (finite after rotation and in the "+" bias) and the mask, as wide as the
-  buffer, hides them. `nbytes()` counts the whole buffers. For a tiny Q-K=V model (2 layers, 4 heads, D=16, fp32,
-  batch 2, 16 slots) it is 16,384 bytes against 32,768 for transformers' `StaticCache`: one half.
+  cache also keeps them when the config needs them (pre-RoPE ties, or the "+" attention-map encoding, whose
+  column term depends on the key position). Storing positions instead of assuming 0..T-1 keeps left-padded
+  batches, beam search and assisted decoding exact.
+- The positions live in `position_layers`: one tied layer per attention type ("full_attention",
+  "sliding_attention"), of the same class as that type's tied layers, holding the (B, 1, T, 1) int64 position ids.
+  Every cache operation (window roll, static slot writes, crop, beam reorder, reset) therefore applies to the
+  positions exactly as to the keys, by the same code. Quantized caches keep their positions unquantized (a
+  `TiedKVLayer`).
+- `QKVShareStaticCache` is the preallocated form (`cache_implementation="static"` or `"offloaded_static"`): a
+  tied layer holds ONE (B, H_kv, max_cache_len, D) buffer written in place; sliding layers hold
+  min(max_cache_len, sliding_window) slots. Unwritten slots hold zeros (finite after rotation and in the "+" bias)
+  and the mask, as wide as the buffer, hides them. For a tiny Q-K=V model (2 layers, 4 heads, D=16, fp32, batch 2,
+  16 slots) it is 16,384 bytes against 32,768 for transformers' `StaticCache`: one half.
+- `QKVShareQuantizedCache` (`cache_implementation="quantized"`, transformers' KIVI-style `QuantizedCache`): a tied
+  layer quantizes one tensor and keeps one residual buffer of recent full-precision tokens.
+- Sliding-window layers (config `sliding_window`, `layer_types`) keep only the tokens the window can still see, as
+  transformers' sliding layers do: the dynamic form at most sliding_window - 1 between forwards, the static form
+  sliding_window slots.
 - `attention_kernel="linear"` layers (the paper's appendix recurrence) get a `LinearAttentionStateLayer`: a
-  constant-size state instead of per-token keys and values.
-- Every transformers cache operation (beam reorder, crop for assisted decoding, batch repeat/select,
-  offload, reset) is implemented for both the tied layers and the positions; the static cache, like transformers'
-  `StaticCache`, has no batch repeat/select.
-- A cache records what it was built for (`CacheLayout`: per-layer kinds, tie point, head shape, whether positions
-  are tracked). The model compares it with its own layout once per forward and refuses a cache built for another
-  model: a post-RoPE cache read by a pre-RoPE model would give wrong logits, other mismatches crash deep inside.
+  constant-size state instead of per-token keys and values (dynamic cache only).
+- `nbytes()` counts every tensor the cache holds, positions included: whole buffers for static caches, packed
+  data plus scales and zero-points plus the residual buffers for quantized ones; offloaded caches count all the
+  layers' bytes wherever they live (CPU memory for the offloaded ones).
+- A cache records what it was built for (`CacheLayout`: per-layer kinds and attention types, window, tie point,
+  head shape, whether positions are tracked). The model compares it with its own layout once per forward and
+  refuses a cache built for another model: a post-RoPE cache read by a pre-RoPE model would give wrong logits,
+  other mismatches crash deep inside.
 - This file imports only torch/transformers (and package files with single-dot imports): `save_pretrained`
   copies it into checkpoints.
 """
@@ -34,8 +52,18 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
-from transformers.utils import is_torchdynamo_compiling
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    Fp8QuantizedLayer,
+    HQQQuantizedLayer,
+    QuantoQuantizedLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
 
@@ -101,6 +129,45 @@ class TiedKVLayer(OneTensorLayerMixin, DynamicLayer):
             self.keys = self.keys[indices, ...]
 
 
+class TiedSlidingWindowLayer(TiedKVLayer, DynamicSlidingWindowLayer):
+    """Sliding-window cache layer for a tied-K/V attention layer: one windowed tensor instead of transformers' two.
+
+    State: `keys` (B, H_kv, min(T, sliding_window - 1), D), the tokens the window can still see from the next one
+    (all of them while `activate_past_recording` keeps them for a rollback); `cumulative_length` counts every token
+    seen. `update` returns the cached tokens plus the new ones, as `DynamicSlidingWindowLayer` does; the mask
+    (`get_mask_sizes`, inherited) limits each query to the last `sliding_window` of them.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        super().lazy_initialization(key_states)
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tied states (B, H_kv, T_new, D); keep the last sliding_window - 1, return cached + new."""
+        _check_tied(self, key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        self.cumulative_length += key_states.shape[-2]
+        full = torch.cat([self.keys, key_states], dim=-2)  # (B, H_kv, cached + T_new, D)
+        if not self.record_past:
+            self.keys = full[:, :, -self.sliding_window + 1 :, :]
+            return full, full
+        # Recording for assisted decoding: keep everything until `crop`; show only what the mask covers.
+        self.keys = full
+        visible = full[:, :, -(self.sliding_window - 1 + key_states.shape[-2]) :, :]
+        return visible, visible
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # DynamicSlidingWindowLayer.crop slices `keys` and `values` alike: run it with `values` a view of `keys`.
+        self.values = self.keys
+        try:
+            DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
+        finally:
+            self.values = None
+
+
 class TiedStaticLayer(OneTensorLayerMixin, StaticLayer):
     """Static cache layer for a tied-K/V attention layer: one preallocated buffer instead of transformers' two.
 
@@ -142,6 +209,152 @@ class TiedStaticLayer(OneTensorLayerMixin, StaticLayer):
         if self.is_initialized:
             self.keys.zero_()
         self.cumulative_length.zero_()
+
+
+class TiedStaticSlidingWindowLayer(TiedStaticLayer, StaticSlidingWindowLayer):
+    """Static sliding-window cache layer for a tied-K/V attention layer: one buffer of the window's length.
+
+    State: `keys` (B, H_kv, min(max_cache_len, sliding_window), D), allocated on the first update (`max_cache_len`
+    here is that window length, as in `StaticSlidingWindowLayer`); filled in place until full, then rolled left by
+    one slot per decoded token. `cumulative_length_int` counts every token seen (a Python int, as in transformers:
+    the branch taken depends on it). `update` follows `StaticSlidingWindowLayer.update` branch by branch with one
+    tensor.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tied states (B, H_kv, T_new, D) into the window; return what the mask covers, twice."""
+        _check_tied(self, key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        new_tokens, current = key_states.shape[-2], self.cumulative_length_int
+        self.cumulative_length_int += new_tokens
+        if current >= self.max_cache_len:  # the window is full
+            if new_tokens == 1:  # decoding: drop the oldest slot, write the new token last, in place
+                rolled = self.keys.roll(-1, dims=-2)
+                rolled[:, :, torch.tensor([-1], dtype=torch.long, device=self.device)] = key_states
+                self.keys.copy_(rolled)
+                return self.keys, self.keys
+            full = torch.cat((self.keys[:, :, 1:, :], key_states), dim=-2)
+        elif current + new_tokens > self.max_cache_len:  # becoming full in this update
+            full = key_states if current == 0 else torch.cat((self.keys[:, :, :current, :], key_states), dim=-2)
+        else:  # still room: write at the next slots (the tensor length, so cudagraphs replay it correctly)
+            slots = torch.arange(new_tokens, device=self.device) + self.cumulative_length
+            self.keys.index_copy_(2, slots, key_states)
+            self.cumulative_length.add_(new_tokens)
+            return self.keys, self.keys
+        self.keys.copy_(full[:, :, -self.max_cache_len :, :])
+        return full, full  # every key the new queries may see, not only the window kept
+
+    def reset(self) -> None:
+        TiedStaticLayer.reset(self)
+        self.cumulative_length_int = 0
+
+
+class _TiedQuantizedLayerMixin(OneTensorLayerMixin):
+    """What the tied quantized layers share: one (empty) residual tensor at initialization, no batch edits."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.device = key_states.device
+        self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))  # (B, H_kv, 0, D)
+        self.is_initialized = True
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError(
+            f"{type(self).__name__}: a quantized cache cannot repeat its batch (requantizing would change it); use a "
+            "dynamic or static cache for this generation mode."
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError(
+            f"{type(self).__name__}: a quantized cache cannot select batch rows (requantizing would change it); use a "
+            "dynamic or static cache for this generation mode."
+        )
+
+
+class TiedQuantizedLayerMixin(_TiedQuantizedLayerMixin):
+    """`QuantizedLayer.update` (KIVI-style: a quantized part plus a full-precision residual of recent tokens) with
+    one tensor. Mixed into transformers' backend layers (quanto, HQQ), which provide `_quantize`/`_dequantize`.
+
+    State: `_quantized_keys`, the one quantized tensor (all tokens up to the last flush); `keys`, the one residual
+    buffer (B, H_kv, r, D) with r < residual_length; `values` and `_quantized_values` stay None. As in transformers,
+    the first update quantizes the whole prompt, and the residual is flushed into the quantized tensor when it
+    reaches `residual_length` tokens.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new tied states (B, H_kv, T_new, D); return every token (dequantized + residual + new) twice."""
+        _check_tied(self, key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+            self._quantized_keys = self._quantize(key_states.contiguous(), axis=self.axis_key)
+            return key_states, key_states
+        dequantized = self._dequantize(self._quantized_keys)
+        if self._pending_beam_idx is not None:  # beam reorders are applied here, after dequantization (lossless)
+            dequantized = dequantized.index_select(0, self._pending_beam_idx.to(dequantized.device))
+        stored = torch.cat([dequantized, self.keys, key_states], dim=-2)  # (B, H_kv, T, D)
+        if self.keys.shape[-2] + key_states.shape[-2] >= self.residual_length:
+            self._quantized_keys = self._quantize(stored.contiguous(), axis=self.axis_key)
+            self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))
+            self._pending_beam_idx = None
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+        return stored, stored
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # As `QuantizedLayer.reorder_cache`: the quantized tensor is reordered at the next update, the residual now.
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        pending = self._pending_beam_idx
+        self._pending_beam_idx = beam_idx.clone() if pending is None else pending.index_select(0, beam_idx)
+        if self.keys.numel() > 0:
+            self.keys = self.keys.index_select(0, beam_idx)
+
+
+class TiedQuantoQuantizedLayer(TiedQuantizedLayerMixin, QuantoQuantizedLayer):
+    """Quantized (optimum-quanto, int2/int4) cache layer for a tied-K/V attention layer: one quantized tensor."""
+
+
+class TiedHQQQuantizedLayer(TiedQuantizedLayerMixin, HQQQuantizedLayer):
+    """Quantized (HQQ) cache layer for a tied-K/V attention layer: one quantized tensor. Untested here (HQQ is not
+    installed in the project's environment)."""
+
+
+class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
+    """FP8 (e4m3, per-tensor scale frozen at the first update) cache layer for a tied-K/V attention layer.
+
+    State: `_quantized_keys` = (fp8 tensor (B, H_kv, T, D), scale), the one quantized tensor; `keys` is an empty
+    (B, H_kv, 0, D) tensor that records the dtype states are returned in.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        super().lazy_initialization(key_states)
+        self._quantized_keys = self._quantize(key_states)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tied states in FP8; return every token dequantized, twice."""
+        _check_tied(self, key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+            return key_states, key_states
+        quantized, scale = self._quantized_keys
+        new, _ = self._quantize(key_states, scale=scale)
+        self._quantized_keys = (torch.cat([quantized, new], dim=-2), scale)
+        stored = self._dequantize(self._quantized_keys)
+        return stored, stored
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            quantized, scale = self._quantized_keys
+            self._quantized_keys = (quantized.index_select(0, beam_idx.to(quantized.device)), scale)
 
 
 class LinearAttentionStateLayer(CacheLayerMixin):
@@ -257,6 +470,21 @@ STATIC_LAYER_CLASSES: dict[str, type[StaticLayer]] = {
     "key_value": StaticLayer,  # key and value, each (B, H_kv, max_cache_len, D)
     "tied": TiedStaticLayer,  # one buffer (B, H_kv, max_cache_len, D)
 }
+# Layers of attention type "sliding_attention" (config `sliding_window`/`layer_types`), dynamic and static.
+SLIDING_LAYER_CLASSES: dict[str, type[DynamicSlidingWindowLayer]] = {
+    "key_value": DynamicSlidingWindowLayer,  # key and value, each (B, H_kv, <= sliding_window - 1, D) between forwards
+    "tied": TiedSlidingWindowLayer,  # one tensor (B, H_kv, <= sliding_window - 1, D)
+}
+STATIC_SLIDING_LAYER_CLASSES: dict[str, type[StaticSlidingWindowLayer]] = {
+    "key_value": StaticSlidingWindowLayer,  # key and value, each (B, H_kv, min(max_cache_len, sliding_window), D)
+    "tied": TiedStaticSlidingWindowLayer,  # one buffer (B, H_kv, min(max_cache_len, sliding_window), D)
+}
+# `QKVShareQuantizedCache`: backend -> layer kind -> class (transformers' `QuantizedCache` backends).
+QUANTIZED_LAYER_CLASSES: dict[str, dict[str, type[DynamicLayer]]] = {
+    "quanto": {"key_value": QuantoQuantizedLayer, "tied": TiedQuantoQuantizedLayer},
+    "hqq": {"key_value": HQQQuantizedLayer, "tied": TiedHQQQuantizedLayer},
+    "fp8": {"key_value": Fp8QuantizedLayer, "tied": TiedFp8QuantizedLayer},
+}
 
 
 @dataclass(frozen=True)
@@ -269,6 +497,8 @@ class CacheLayout:
             uses RoPE; None when the tie point does not change what is stored.
         num_key_value_heads, head_dim: the per-token shape (H_kv, D) of every cached tensor.
         track_positions: whether the cache keeps the position ids of its tokens (pre-RoPE ties, "+" encoding).
+        attention_types: "full_attention" or "sliding_attention" per decoder layer.
+        sliding_window: the window of the sliding layers; None when no layer slides.
     """
 
     layer_kinds: tuple[str, ...]
@@ -276,6 +506,8 @@ class CacheLayout:
     num_key_value_heads: int
     head_dim: int
     track_positions: bool
+    attention_types: tuple[str, ...]
+    sliding_window: int | None
 
     @classmethod
     def for_config(cls, config: QKVShareConfig) -> CacheLayout:
@@ -285,35 +517,62 @@ class CacheLayout:
         else:
             kinds = tuple("tied" if config.is_kv_tied(i) else "key_value" for i in range(config.num_hidden_layers))
         rope_ties = "tied" in kinds and config.position_embedding_type == "rope"
+        attention_types = tuple(config.layer_attention_type(i) for i in range(config.num_hidden_layers))
         return cls(
             layer_kinds=kinds,
             kv_tie_point=config.kv_tie_point if rope_ties else None,
             num_key_value_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             track_positions=config.needs_key_positions,
+            attention_types=attention_types,
+            sliding_window=config.sliding_window if "sliding_attention" in attention_types else None,
         )
 
+    @property
+    def present_attention_types(self) -> tuple[str, ...]:
+        """The attention types of the layers, each once, in layer order."""
+        return tuple(dict.fromkeys(self.attention_types))
+
     def differences(self, other: CacheLayout) -> list[str]:
-        """One `field: self vs other` line per field that differs (differing layers listed by index)."""
+        """One `field: self vs other` line per field that differs (per-layer fields list the differing layers)."""
         found = []
         for field in fields(self):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             if mine == theirs:
                 continue
-            if field.name != "layer_kinds":
+            if not isinstance(mine, tuple):
                 found.append(f"{field.name}: {mine!r} vs {theirs!r}")
             elif len(mine) != len(theirs):
-                found.append(f"number of layers: {len(mine)} vs {len(theirs)}")
+                line = f"number of layers: {len(mine)} vs {len(theirs)}"
+                found += [line] if line not in found else []
             else:
                 layers = [f"layer {i} {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
-                found.append("layer kinds: " + ", ".join(layers))
+                found.append(f"{field.name.replace('_', ' ')}: " + ", ".join(layers))
         return found
+
+
+def _tensor_nbytes(value: object) -> int:
+    """Bytes of the storage behind a cached value: a tensor; a tensor subclass (e.g. a quanto quantized tensor) as the
+    sum of its inner tensors (packed data, scales, zero-points), found through `__tensor_flatten__`; or a backend's
+    container of tensors (HQQ's (tensor, metadata), FP8's (tensor, scale))."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            return sum(_tensor_nbytes(getattr(value, name)) for name in names)
+        return value.nbytes
+    if isinstance(value, tuple | list):
+        return sum(_tensor_nbytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_tensor_nbytes(item) for item in value.values())
+    return 0
 
 
 def _layer_nbytes(layer: CacheLayerMixin) -> int:
     if hasattr(layer, "nbytes"):  # layers that know their own size (the linear-attention state)
         return layer.nbytes()
-    return sum(t.nbytes for t in (layer.keys, layer.values) if t is not None)
+    # Full-precision tensors (for quantized layers: the residual buffers) and, for quantized layers, quantized ones.
+    held = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(_tensor_nbytes(getattr(layer, name, None)) for name in held)
 
 
 class QKVShareCache(Cache):
@@ -321,16 +580,20 @@ class QKVShareCache(Cache):
 
     Args:
         config: the model's `QKVShareConfig` (decides per layer what is stored).
-        offloading: keep layers on the CPU between uses (transformers' `Cache` option).
+        offloading: keep layers in CPU memory between uses (transformers' `Cache` option, which needs CUDA);
+            `generate(cache_implementation="offloaded")` sets it.
 
     State:
         layout: the `CacheLayout` the cache was built for. A model refuses a cache whose layout is not its own
             (e.g. built from another config): build it with `QKVShareCache(config=model.config)`.
         layers: one cache layer per decoder layer: `TiedKVLayer` (one tensor (B, H_kv, T, D)) for modes "kv"
-            and "qkv", `DynamicLayer` (keys and values, each (B, H_kv, T, D)) otherwise, and a constant-size
-            `LinearAttentionStateLayer` with `attention_kernel="linear"`.
-        positions: (B, T) int64 position ids of the cached tokens, kept only when `layout.track_positions`
-            (pre-RoPE ties, "+" attention-map encoding); None otherwise.
+            and "qkv", `DynamicLayer` (keys and values, each (B, H_kv, T, D)) otherwise, their sliding-window forms
+            (`TiedSlidingWindowLayer`, `DynamicSlidingWindowLayer`: at most sliding_window - 1 tokens kept) for
+            "sliding_attention" layers, and a constant-size `LinearAttentionStateLayer` with
+            `attention_kernel="linear"`.
+        position_layers: attention type -> a tied layer of that type holding the (B, 1, T, 1) int64 position ids of
+            the cached tokens, kept only when `layout.track_positions` (pre-RoPE ties, "+" encoding); empty
+            otherwise. `positions` gives them as (B, T).
 
     `generate()` and a forward with `use_cache=True` create one by default. `nbytes()` gives the bytes held.
     """
@@ -338,13 +601,38 @@ class QKVShareCache(Cache):
     _rebuild_arguments = ""  # what `check_layout`'s message adds after `config=` to build a fitting cache
 
     def __init__(self, config: QKVShareConfig, offloading: bool = False):
+        if offloading and not torch.cuda.is_available():
+            raise ValueError(
+                f"{type(self).__name__}: offloading=True moves layers between a CUDA device and the CPU (transformers' "
+                "offloading uses CUDA streams), but CUDA is not available here; use offloading=False "
+                "(cache_implementation='dynamic' or 'static')."
+            )
         self.layout: CacheLayout = CacheLayout.for_config(config)
-        super().__init__(layers=[self.new_layer(kind) for kind in self.layout.layer_kinds], offloading=offloading)
-        self.positions: torch.Tensor | None = None
+        kinds, types = self.layout.layer_kinds, self.layout.attention_types
+        layers = [self.new_layer(kind, attention_type) for kind, attention_type in zip(kinds, types)]
+        super().__init__(layers=layers, offloading=offloading)
+        self.position_layers: dict[str, CacheLayerMixin] = {}
+        if self.layout.track_positions:
+            self.position_layers = {t: self.new_position_layer(t) for t in self.layout.present_attention_types}
 
-    def new_layer(self, kind: str) -> CacheLayerMixin:
-        """An empty cache layer of this kind (a key of `LAYER_CLASSES`)."""
+    def new_layer(self, kind: str, attention_type: str = "full_attention") -> CacheLayerMixin:
+        """An empty cache layer of this kind (a key of `LAYER_CLASSES`) and attention type."""
+        if attention_type == "sliding_attention":
+            return SLIDING_LAYER_CLASSES[kind](sliding_window=self.layout.sliding_window)
         return LAYER_CLASSES[kind]()
+
+    def new_position_layer(self, attention_type: str) -> CacheLayerMixin:
+        """The layer that keeps the position ids of the tokens cached by layers of this attention type: a tied layer
+        of the same class as theirs, so that windowing, slot writes and every cache operation treat both alike."""
+        return self.new_layer("tied", attention_type)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """(B, T) int64 position ids of the tokens the full-attention layers hold (those of the sliding layers when
+        every layer slides); None when positions are not tracked or nothing is cached yet."""
+        types = self.layout.present_attention_types
+        layer = self.position_layers.get("full_attention" if "full_attention" in types else types[0])
+        return None if layer is None or layer.keys is None else layer.keys[:, 0, :, 0]
 
     def check_layout(self, expected: CacheLayout) -> None:
         """Raise a ValueError naming what differs when this cache was built for a model with another layout."""
@@ -364,7 +652,9 @@ class QKVShareCache(Cache):
             held = next(
                 (t for t in (getattr(layer, "keys", None), getattr(layer, "state", None)) if t is not None), None
             )
-            if held is not None and held.shape[0] != batch_size:
+            if held is None or held.dim() < 2:  # nothing yet (a quantized layer's empty residual is 1-D)
+                continue
+            if held.shape[0] != batch_size:
                 raise ValueError(
                     f"cache: this {type(self).__name__} holds states for a batch of {held.shape[0]}, but the input has "
                     f"a batch of {batch_size}; pass inputs of the cached batch size, or a new cache (or none) for a "
@@ -372,54 +662,72 @@ class QKVShareCache(Cache):
                 )
             return
 
-    def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """Append the position ids (B, T_new) of the tokens being added; return those of all cached tokens (B, T).
+    def update_positions(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Add the position ids (B, T_new) of the tokens being added; return, per attention type, those of every key
+        the layers of that type attend to in this forward (B, T_keys), in the order the layers return the keys.
 
-        Called once per forward by the model, before the layers update. Without position tracking it only
-        returns what it was given.
+        Called once per forward by the model, before the layers update. Without position tracking it returns the
+        given ids for every type.
         """
         if not self.layout.track_positions:
-            return position_ids
-        position_ids = position_ids.to(torch.long)
-        if self.positions is None:
-            self.positions = position_ids
-        else:
-            self.positions = torch.cat([self.positions, position_ids.to(self.positions.device)], dim=-1)
-        return self.positions
+            return dict.fromkeys(self.layout.present_attention_types, position_ids)
+        ids = position_ids.to(torch.long)[:, None, :, None]  # (B, 1, T_new, 1): a one-head, one-channel state
+        return {t: layer.update(ids, None)[0][:, 0, :, 0] for t, layer in self.position_layers.items()}
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (cached states, plus `positions` when tracked)."""
-        total = sum(_layer_nbytes(layer) for layer in self.layers)
-        return total + (self.positions.nbytes if self.positions is not None else 0)
+        """Bytes of every tensor the cache holds: the cached states (see `layer_nbytes`) plus the positions."""
+        states = sum(_layer_nbytes(layer) for layer in self.layers)
+        return states + sum(_layer_nbytes(layer) for layer in self.position_layers.values())
 
     def layer_nbytes(self, layer_idx: int) -> int:
-        """Bytes held by one layer's cached states."""
+        """Bytes held by one layer's cached states (quantized layers: packed data, scales and zero-points, residual)."""
         return _layer_nbytes(self.layers[layer_idx])
 
     # ----- transformers cache operations: apply them to the positions too -----
     def reset(self) -> None:
         super().reset()
-        self.positions = None
+        for layer in self.position_layers.values():
+            layer.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+        for layer in self.position_layers.values():
+            layer.reorder_cache(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if self.positions is not None and tokens_to_remove < 0:
-            self.positions = self.positions[:, :tokens_to_remove]
+        for layer in self.position_layers.values():
+            layer.crop(tokens_to_remove)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+        for layer in self.position_layers.values():
+            layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.positions is not None:
-            self.positions = self.positions[indices, ...]
+        for layer in self.position_layers.values():
+            layer.batch_select_indices(indices)
+
+    def activate_past_recording(self) -> None:
+        super().activate_past_recording()
+        for layer in self.position_layers.values():
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+
+    def early_initialization(
+        self,
+        batch_size: int,
+        num_heads: int | list[int],
+        head_dim: int | list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Allocate every layer ahead of the first update (transformers' export recipes need it), positions too."""
+        super().early_initialization(batch_size, num_heads, head_dim, dtype, device)
+        for layer in self.position_layers.values():
+            if not layer.is_initialized:
+                layer.lazy_initialization(torch.zeros((batch_size, 1, 0, 1), dtype=torch.long, device=device))
 
 
 class QKVShareStaticCache(QKVShareCache):
@@ -429,14 +737,17 @@ class QKVShareStaticCache(QKVShareCache):
         config: the model's `QKVShareConfig` (decides per layer what is stored; `attention_kernel="linear"` has no
             static form).
         max_cache_len: number of token slots preallocated per layer (prompt + new tokens).
-        offloading: keep layers on the CPU between uses (transformers' `Cache` option).
+        offloading: keep layers in CPU memory between uses (transformers' `Cache` option, which needs CUDA);
+            `generate(cache_implementation="offloaded_static")` sets it.
 
     State:
         layout: the `CacheLayout` the cache was built for, the same as the dynamic `QKVShareCache`'s.
         layers: `TiedStaticLayer` (one buffer (B, H_kv, max_cache_len, D)) for modes "kv" and "qkv", transformers'
-            `StaticLayer` (keys and values, each (B, H_kv, max_cache_len, D)) otherwise; allocated on first use.
-        positions: (B, max_cache_len) int64 position ids written at the slots of the cached tokens, kept only when
-            `layout.track_positions`; slots not yet written hold 0 and are hidden by the mask.
+            `StaticLayer` (keys and values, each (B, H_kv, max_cache_len, D)) otherwise; for "sliding_attention"
+            layers `TiedStaticSlidingWindowLayer` / `StaticSlidingWindowLayer` with min(max_cache_len,
+            sliding_window) slots. Allocated on first use.
+        position_layers: as in `QKVShareCache`, of the static classes: (B, 1, slots, 1) int64 buffers written at the
+            slots of the cached tokens; slots not yet written hold 0 and are hidden by the mask.
 
     `generate(cache_implementation="static")` creates one. `nbytes()` gives the bytes allocated (whole buffers).
     """
@@ -459,39 +770,103 @@ class QKVShareStaticCache(QKVShareCache):
     def _rebuild_arguments(self) -> str:
         return f", max_cache_len={self.max_cache_len}"
 
-    def new_layer(self, kind: str) -> StaticLayer:
-        """An empty static layer of this kind (a key of `STATIC_LAYER_CLASSES`), `max_cache_len` slots long."""
+    def new_layer(self, kind: str, attention_type: str = "full_attention") -> StaticLayer:
+        """An empty static layer of this kind (a key of `STATIC_LAYER_CLASSES`), `max_cache_len` slots long (a
+        sliding one at most `sliding_window`)."""
+        if attention_type == "sliding_attention":
+            return STATIC_SLIDING_LAYER_CLASSES[kind](
+                max_cache_len=self.max_cache_len, sliding_window=self.layout.sliding_window
+            )
         return STATIC_LAYER_CLASSES[kind](max_cache_len=self.max_cache_len)
 
-    def update_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """Write the position ids (B, T_new) of the tokens being added at their slots (right after the cached tokens);
-        return the whole (B, max_cache_len) buffer. Called once per forward by the model, before the layers update.
-        """
-        if not self.layout.track_positions:
-            return position_ids
-        position_ids = position_ids.to(torch.long)
-        if self.positions is None:
-            self.positions = position_ids.new_zeros((position_ids.shape[0], self.max_cache_len))
-        # The layers have not written this forward's tokens yet: their length is the slot of the first new one.
-        slots = torch.arange(position_ids.shape[-1], device=self.positions.device) + self.get_seq_length()
-        self.positions.index_copy_(1, slots, position_ids.to(self.positions.device))
-        return self.positions
 
-    def reset(self) -> None:
-        Cache.reset(self)  # the buffers keep their size and address
-        if self.positions is not None:
-            self.positions.zero_()
+class QKVShareQuantizedCache(QKVShareCache):
+    """Quantized KV cache for QKVShare models (transformers' KIVI-style `QuantizedCache`): one quantized tensor plus
+    one residual buffer per tied layer, two of each per untied layer.
 
-    def crop(self, tokens_to_remove: int) -> None:
-        # Only the layers' lengths shrink; the next update overwrites the slots of the removed tokens and positions.
-        Cache.crop(self, tokens_to_remove)
+    Args:
+        config: the model's `QKVShareConfig`; every layer must be a softmax, full-attention layer (as transformers'
+            `QuantizedCache` requires).
+        backend: "quanto" (optimum-quanto, int2/int4, runs on CPU), "hqq" (needs the hqq package) or "fp8"
+            (float8 e4m3, one scale per tensor).
+        nbits, axis_key, axis_value, q_group_size, residual_length: the group-wise options of the quanto and HQQ
+            layers (None: transformers' defaults, 4 bits, axis 0, groups of 64, 128 residual tokens); fp8 takes none.
+
+    State:
+        layout: as in `QKVShareCache`.
+        layers: `TiedQuantoQuantizedLayer` / `TiedHQQQuantizedLayer` / `TiedFp8QuantizedLayer` for modes "kv" and
+            "qkv", transformers' layer of the backend otherwise.
+        position_layers: as in `QKVShareCache`, unquantized (`TiedKVLayer`).
+
+    `generate(cache_implementation="quantized", cache_config={"backend": ..., "nbits": ...})` creates one.
+    `nbytes()` counts the packed data, scales and zero-points and the residual buffers.
+    """
+
+    def __init__(
+        self,
+        config: QKVShareConfig,
+        backend: str = "quanto",
+        nbits: int | None = None,
+        axis_key: int | None = None,
+        axis_value: int | None = None,
+        q_group_size: int | None = None,
+        residual_length: int | None = None,
+    ):
+        if backend not in QUANTIZED_LAYER_CLASSES:
+            raise ValueError(
+                f"QKVShareQuantizedCache: backend={backend!r} is not supported; allowed: "
+                f"{', '.join(map(repr, QUANTIZED_LAYER_CLASSES))}."
+            )
+        options = dict(
+            nbits=nbits,
+            axis_key=axis_key,
+            axis_value=axis_value,
+            q_group_size=q_group_size,
+            residual_length=residual_length,
+        )
+        given = {name: value for name, value in options.items() if value is not None}
+        if backend == "fp8" and given:
+            raise ValueError(
+                f"QKVShareQuantizedCache: backend='fp8' quantizes per tensor and takes none of {sorted(given)}; drop "
+                "them, or use backend='quanto' for group-wise options."
+            )
+        layout = CacheLayout.for_config(config)
+        if "linear_state" in layout.layer_kinds or "sliding_attention" in layout.attention_types:
+            raise ValueError(
+                "QKVShareQuantizedCache: every layer must be a full-attention softmax layer (as in transformers' "
+                "QuantizedCache), but this config has attention_kernel='linear' or sliding-window layers; use "
+                "QKVShareCache or QKVShareStaticCache (generate with cache_implementation='dynamic' or 'static')."
+            )
+        packages = {"quanto": ("optimum-quanto", is_optimum_quanto_available), "hqq": ("hqq", is_hqq_available)}
+        if backend in packages and not packages[backend][1]():
+            raise ImportError(
+                f"QKVShareQuantizedCache: backend={backend!r} needs the {packages[backend][0]} package, which is not "
+                f'installed: pip install "qkvshare[quantized]" (or pip install {packages[backend][0]}).'
+            )
+        self.backend: str = backend
+        self.layer_options: dict[str, int] = given  # passed to every quantized layer
+        super().__init__(config)
+
+    def new_layer(self, kind: str, attention_type: str = "full_attention") -> CacheLayerMixin:
+        """An empty quantized layer of this kind ("key_value" or "tied") for the cache's backend."""
+        return QUANTIZED_LAYER_CLASSES[self.backend][kind](**self.layer_options)
+
+    def new_position_layer(self, attention_type: str) -> CacheLayerMixin:
+        """Positions are kept exactly: an unquantized `TiedKVLayer`."""
+        return TiedKVLayer()
 
 
 __all__ = [
     "QKVShareCache",
     "QKVShareStaticCache",
+    "QKVShareQuantizedCache",
     "TiedKVLayer",
+    "TiedSlidingWindowLayer",
     "TiedStaticLayer",
+    "TiedStaticSlidingWindowLayer",
+    "TiedQuantoQuantizedLayer",
+    "TiedHQQQuantizedLayer",
+    "TiedFp8QuantizedLayer",
     "LinearAttentionStateLayer",
     "CacheLayout",
 ]

@@ -5,15 +5,20 @@ Design notes
 - Each attention layer decides in `__init__` which projections exist (Llama's names, so Llama checkpoints
   load unchanged): "none" q,k,v,o; "qk" (Q=K-V) k,v,o with query = key; "kv" (Q-K=V) q,k,o with
   value = key; "qkv" (Q=K=V) k,o. A dropped projection is not created: no dead weights.
-- Tied layers hand ONE tensor to `QKVShareCache` or `QKVShareStaticCache` (see cache_qkvshare.py). With RoPE the tie is either
-  after rotation (`kv_tie_point="post_rope"`, V is the rotated key) or before (`"pre_rope"`, V is the key
-  projection's output; the cache stores it and keys are rotated on read from the cached positions).
+- Tied layers hand ONE tensor to the QKVShare caches (dynamic, static, quantized, sliding; see cache_qkvshare.py).
+  With RoPE the tie is either after rotation (`kv_tie_point="post_rope"`, V is the rotated key) or before
+  (`"pre_rope"`, V is the key projection's output; the cache stores it and keys are rotated on read from the cached
+  positions).
 - The "+" 2D positional encoding of the attention map (paper section 3, m channels, a 1x1 map with weight w
   and bias b) is exactly S' = S * sum(w) + P.w + b. P[i, j] concatenates a row encoding of i and a column
   encoding of j, so P.w = row(i).w_r + col(j).w_c: we never build the (n, n, m) tensor, we scale the query
   by sum(w) and add the (B, 1, q, kv) bias to the attention mask. That works on the eager and sdpa backends,
   causal or bidirectional, for any length up to max_position_embeddings.
 - RoPE cos/sin, the key positions and the "+" encodings are computed once per forward in the base model.
+- Sliding window (config `sliding_window`, per layer `layer_types`), as in Mistral and Gemma: one mask per attention
+  type ("full_attention", "sliding_attention") per forward, built by transformers' `create_causal_mask` /
+  `create_sliding_window_causal_mask` (a query sees the last `sliding_window` keys, itself included); the cache keeps
+  the window only, and its key positions follow the same window (per attention type).
 - Inputs are checked before any work: the cache (a QKVShareCache built for this model, or a transformers cache the
   model can use exactly), the shapes of input_ids/inputs_embeds and attention_mask. "+" models refuse foreign
   caches: only the QKVShare caches record the positions of cached keys, which the column term of the map needs.
@@ -33,7 +38,8 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
     GenericForSequenceClassification,
     GenericForTokenClassification,
@@ -54,12 +60,14 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_qkvshare import CacheLayout, QKVShareCache, QKVShareStaticCache
+from .cache_qkvshare import CacheLayout, QKVShareCache, QKVShareQuantizedCache, QKVShareStaticCache
 from .configuration_qkvshare import QKVShareConfig
 from .linear_attention_qkvshare import QKVShareLinearAttention
 
 # Backends that accept an arbitrary additive float mask (needed by the "+" encoding).
 _BIAS_CAPABLE_BACKENDS = ("eager", "sdpa")
+# The mask builder of each attention type (config `layer_types`).
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -148,6 +156,11 @@ class QKVShareAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = config.is_causal
+        # The window of a "sliding_attention" layer (None: full attention); the mask applies it, flash attention
+        # takes it as an argument.
+        self.sliding_window = (
+            config.sliding_window if config.layer_attention_type(layer_idx) != "full_attention" else None
+        )
         # What this layer is, decided once.
         self.query_is_key = self.sharing in ("qk", "qkv")  # Q=K: symmetric scores
         self.kv_tied = self.sharing in ("kv", "qkv")  # K=V: one cached tensor
@@ -230,6 +243,7 @@ class QKVShareAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -242,6 +256,7 @@ class QKVShareDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: QKVShareConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
+        self.attention_type = config.layer_attention_type(layer_idx)  # which of the model's masks this layer takes
         # attention_kernel: "linear" layers (the paper's appendix recurrence) use their own attention module.
         attention_class = QKVShareLinearAttention if config.attention_kernel == "linear" else QKVShareAttention
         self.self_attn = attention_class(config=config, layer_idx=layer_idx)
@@ -386,7 +401,15 @@ class QKVShareModel(QKVSharePreTrainedModel):
             )
         if isinstance(cache, QKVShareCache):  # a cache filled for another batch would fail deep inside torch
             cache.check_batch_size(shape[0])
-        if attention_mask is not None:
+        if isinstance(attention_mask, dict):  # masks per attention type, as `build_masks` (or generate()) makes them
+            expected_types = set(self.cache_layout.present_attention_types)
+            if set(attention_mask) != expected_types:
+                raise ValueError(
+                    f"attention_mask is a dict with keys {sorted(attention_mask)}, but this model's layers need masks "
+                    f"for {sorted(expected_types)}; pass a 2D padding mask, or the dict that "
+                    "model.model.build_masks(...) returns."
+                )
+        elif attention_mask is not None:
             self._check_attention_mask(attention_mask, name, shape, cache)
 
     @staticmethod
@@ -420,11 +443,39 @@ class QKVShareModel(QKVSharePreTrainedModel):
                 f"shape {mask_shape} for {name} of shape {shape}."
             )
 
+    def build_masks(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.LongTensor | None,
+    ) -> dict[str, torch.Tensor | None]:
+        """One attention mask per attention type of the layers ("full_attention", "sliding_attention"), from a 2D
+        padding mask (or a 4D one, used as is), sized by `cache` as it is before this forward's update."""
+        masks = {}
+        for attention_type in self.cache_layout.present_attention_types:
+            # The "+" bias is folded into the mask, so the mask must be materialized (no is_causal shortcut).
+            mask = MASK_BUILDERS[attention_type](
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                allow_is_causal_skip=not self.config.attention_map_pe_dim,
+            )
+            eager = self.config._attn_implementation == "eager"
+            if eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+                # A boolean 4D mask (True = attend) is passed through as is, and eager attention adds the mask to the
+                # scores: it would add 1/0 (silently wrong logits; LlamaForCausalLM does this). Make it additive.
+                mask = add_bias_to_mask(mask, mask.new_zeros(mask.shape, dtype=inputs_embeds.dtype))
+            masks[attention_type] = mask
+        return masks
+
     def _positions(
         self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, cache: Cache | None
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Everything about positions, once per forward: the learned absolute embeddings (added to `inputs_embeds`),
-        and for the attention layers `position_embeddings` (RoPE cos/sin of the new tokens),
+        and for the attention layers of each attention type `position_embeddings` (RoPE cos/sin of the new tokens),
         `key_position_embeddings` (RoPE of every cached + new key, for pre-RoPE tied layers, which rotate their
         cached keys on read) and `map_encoding` (row/column encodings of the "+" attention map).
         """
@@ -438,26 +489,28 @@ class QKVShareModel(QKVSharePreTrainedModel):
                 )
             hidden_states = hidden_states + self.embed_positions(position_ids)
 
-        # Positions of every key this forward attends to: the cached ones (a QKVShareCache records them when the
-        # model needs them) and the new ones. Foreign caches never need them: `_check_cache` refuses them for "+",
-        # and with them pre-RoPE tied layers store the rotated key and the value separately.
+        # Positions of every key this forward attends to, per attention type: the cached ones (a QKVShareCache records
+        # them when the model needs them, windowed for sliding layers) and the new ones. Foreign caches never need
+        # them: `_check_cache` refuses them for "+", and with them pre-RoPE tied layers store the rotated key and the
+        # value separately.
         batch_size = inputs_embeds.shape[0]
-        key_position_ids = position_ids.expand(batch_size, -1)
+        query_position_ids = position_ids.expand(batch_size, -1)
         if isinstance(cache, QKVShareCache):
-            key_position_ids = cache.update_positions(key_position_ids)
+            key_position_ids = cache.update_positions(query_position_ids)
+        else:
+            key_position_ids = dict.fromkeys(self.cache_layout.present_attention_types, query_position_ids)
 
-        layer_inputs = {"position_embeddings": None, "key_position_embeddings": None, "map_encoding": None}
-        if self.rotary_emb is not None:
-            layer_inputs["position_embeddings"] = self.rotary_emb(hidden_states, position_ids=position_ids)
-            if self.has_pre_rope_ties and isinstance(cache, QKVShareCache):
-                layer_inputs["key_position_embeddings"] = self.rotary_emb(hidden_states, position_ids=key_position_ids)
-        if self.config.attention_map_pe_dim:
-            layer_inputs["map_encoding"] = attention_map_encoding(
-                position_ids.expand(batch_size, -1),
-                key_position_ids,
-                self.config.attention_map_pe_dim,
-                self.config.attention_map_pe_layout,
-            )
+        rope = self.rotary_emb(hidden_states, position_ids=position_ids) if self.rotary_emb is not None else None
+        layer_inputs = {}
+        for attention_type, keys in key_position_ids.items():
+            inputs = {"position_embeddings": rope, "key_position_embeddings": None, "map_encoding": None}
+            if rope is not None and self.has_pre_rope_ties and isinstance(cache, QKVShareCache):
+                inputs["key_position_embeddings"] = self.rotary_emb(hidden_states, position_ids=keys)
+            if self.config.attention_map_pe_dim:
+                inputs["map_encoding"] = attention_map_encoding(
+                    query_position_ids, keys, self.config.attention_map_pe_dim, self.config.attention_map_pe_layout
+                )
+            layer_inputs[attention_type] = inputs
         return hidden_states, layer_inputs
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -496,32 +549,21 @@ class QKVShareModel(QKVSharePreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        # The "+" bias is folded into the mask, so the mask must be materialized (no is_causal shortcut).
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-            allow_is_causal_skip=not self.config.attention_map_pe_dim,
-        )
-        eager = self.config._attn_implementation == "eager"
-        if eager and isinstance(causal_mask, torch.Tensor) and causal_mask.dtype == torch.bool:
-            # A boolean 4D mask (True = attend) is passed through as is, and eager attention adds the mask to the
-            # scores: it would add 1/0 (silently wrong logits; LlamaForCausalLM does this). Make it additive.
-            zeros = causal_mask.new_zeros(causal_mask.shape, dtype=inputs_embeds.dtype)
-            causal_mask = add_bias_to_mask(causal_mask, zeros)
+        # Built before the cache is updated: the cache's current length sizes them. generate() may pass them ready.
+        masks = attention_mask if isinstance(attention_mask, dict) else None
+        if masks is None:
+            masks = self.build_masks(inputs_embeds, attention_mask, cache, position_ids)
 
         hidden_states, position_inputs = self._positions(inputs_embeds, position_ids, cache)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=masks[decoder_layer.attention_type],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
-                **position_inputs,
+                **position_inputs[decoder_layer.attention_type],
                 **kwargs,
             )
 
@@ -530,8 +572,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
 
 
 class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
-    """QKVShare language model. `generate()` uses `QKVShareCache`, or `QKVShareStaticCache` with
-    `cache_implementation="static"`, unless a cache or another cache_implementation is given.
+    """QKVShare language model. `generate()` uses a QKVShare cache for each usual `cache_implementation` (see
+    `tied_cache_for_generation`): `QKVShareCache` by default, `QKVShareStaticCache` for "static", ...
 
     Other transformers caches (DynamicCache, StaticCache, ...) are exact but store K and V separately; the "+"
     variants and `attention_kernel="linear"` refuse them with a ValueError (see `QKVShareModel._check_cache`).
@@ -551,24 +593,58 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
-        # transformers would default to DynamicCache and build a StaticCache for "static" (K and V stored
-        # separately); ours store one tensor per tied layer. An explicit cache or another cache_implementation
-        # ("dynamic", "offloaded", ...) keeps transformers' choice, which the model's forward then checks.
-        implementation = generation_config.cache_implementation
+        # transformers would build its own caches (K and V stored separately); ours store one tensor per tied layer.
+        # An explicit cache, use_cache=False or a kind we have no tied form of ("paged") keep transformers' choice,
+        # which the model's forward then checks.
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            if implementation is None:
-                model_kwargs["cache"] = QKVShareCache(config=self.config)
-            elif implementation == "static":
-                # Sized as transformers sizes its StaticCache: this call's max length, or max_cache_len if larger.
-                length = max(max_cache_length, generation_config.max_cache_len or 0)
-                model_kwargs["cache"] = QKVShareStaticCache(config=self.config, max_cache_len=length)
-            if model_kwargs.get("cache") is not None:
+            cache = self.tied_cache_for_generation(generation_config, max_cache_length)
+            if cache is not None:
                 if generation_config.is_assistant:
-                    model_kwargs["cache"].activate_past_recording()
+                    cache.activate_past_recording()
+                model_kwargs["cache"] = cache
                 return
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def create_masks_for_generate(
+        self,
+        config: QKVShareConfig,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> dict[str, torch.Tensor | None]:
+        """The masks generate() prepares ahead of each step with a static cache: the model's own, one per attention
+        type (transformers' default would read `config.layer_types`, which may be None here)."""
+        return self.model.build_masks(inputs_embeds, attention_mask, cache, position_ids)
+
+    def tied_cache_for_generation(self, generation_config, max_cache_length: int) -> QKVShareCache | None:
+        """The QKVShare cache `generate()` uses for `generation_config.cache_implementation`: None or "dynamic" ->
+        `QKVShareCache`; "offloaded" -> the same with offloading; "static", "offloaded_static" (and transformers'
+        deprecated static names) -> `QKVShareStaticCache`, sized as transformers sizes its `StaticCache` (this call's
+        max length, or `max_cache_len` if larger); "quantized" -> `QKVShareQuantizedCache` with
+        `generation_config.cache_config` (backend "quanto" unless given). None for other kinds ("paged")."""
+        implementation = generation_config.cache_implementation
+        if implementation in (None, "dynamic", "offloaded"):
+            return QKVShareCache(config=self.config, offloading=implementation == "offloaded")
+        if implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+            length = max(max_cache_length, generation_config.max_cache_len or 0)
+            offloading = "offloaded" in implementation
+            return QKVShareStaticCache(config=self.config, max_cache_len=length, offloading=offloading)
+        if implementation == "quantized":
+            options = dict(generation_config.cache_config or {})
+            options.pop("config", None)  # transformers' own key for the model config: ours is self.config
+            allowed = ("backend", "nbits", "axis_key", "axis_value", "q_group_size", "residual_length")
+            unknown = sorted(set(options) - set(allowed))
+            if unknown:
+                raise ValueError(
+                    f"cache_config has unknown keys {unknown} for cache_implementation='quantized'; allowed: "
+                    f"{', '.join(allowed)}."
+                )
+            return QKVShareQuantizedCache(config=self.config, **options)
+        return None
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
