@@ -34,6 +34,8 @@ EXTRAS: dict[str, dict[str, str]] = {
     "eval": {"lm_eval": "lm-eval", "datasets": "datasets"},
     "plots": {"matplotlib": "matplotlib"},
     "wandb": {"wandb": "wandb"},
+    # The quanto backend of `QKVShareQuantizedCache`; transformers imports `optimum.quanto` when the cache is built.
+    "quantized": {"optimum": "optimum-quanto"},
 }
 
 
