@@ -19,6 +19,10 @@ Design notes
   batch 2, 16 slots) it is 16,384 bytes against 32,768 for transformers' `StaticCache`: one half.
 - `attention_kernel="linear"` layers (the paper's appendix recurrence) get a `LinearAttentionStateLayer`: a
   constant-size state instead of per-token keys and values.
+- QV-Ka layers (`key_context_dim`, the second source) get a `ContextValueLayer` (`ContextValueStaticLayer` in the
+  static cache): the shared context G (B, 1, T, d_ctx) in `keys` and the values (B, H, T, D) in `values`; the
+  attention layer recomputes its keys [G ; V_i] W_i^K from them on read (docs/design.md, section 9, has the
+  measurements behind storing G and V rather than K and V).
 - Every transformers cache operation (beam reorder, crop for assisted decoding, batch repeat/select,
   offload, reset) is implemented for both the tied layers and the positions; the static cache, like transformers'
   `StaticCache`, has no batch repeat/select.
@@ -246,16 +250,43 @@ class LinearAttentionStateLayer(CacheLayerMixin):
         )
 
 
+class ContextValueLayer(DynamicLayer):
+    """Cache layer of a QV-Ka attention layer (`key_context_dim` > 0): what its keys are computed from.
+
+    State: `keys` holds the shared context G (B, 1, T, d_ctx) (one per layer, not per head), `values` the values
+    (B, H, T, D). `update(context, values)` appends both along T and returns them whole; the attention layer
+    recomputes K_i = [G ; V_i] W_i^K from them. Every `DynamicLayer` operation (crop, beam reorder, batch
+    repeat/select, offload) acts on both tensors along the same axes, so it is inherited unchanged.
+    """
+
+
+class ContextValueStaticLayer(StaticLayer):
+    """Static form of `ContextValueLayer`: G in a (B, 1, max_cache_len, d_ctx) buffer, the values in a
+    (B, H, max_cache_len, D) one (transformers' `StaticLayer` would give the values G's single head)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.values = torch.zeros(
+            (self.batch_size, value_states.shape[1], self.max_cache_len, self.v_head_dim),
+            dtype=value_states.dtype,
+            device=self.device,
+        )  # (B, H, max_cache_len, D)
+        if not is_torchdynamo_compiling():
+            torch._dynamo.mark_static_address(self.values)
+
+
 # The kinds of cache layer, by what they store; `CacheLayout.layer_kinds` names one per decoder layer.
 LAYER_CLASSES: dict[str, type[CacheLayerMixin]] = {
     "key_value": DynamicLayer,  # untied layer: key and value, each (B, H_kv, T, D)
     "tied": TiedKVLayer,  # tied K/V: one tensor (B, H_kv, T, D)
     "linear_state": LinearAttentionStateLayer,  # attention_kernel="linear": a constant-size state
+    "context_value": ContextValueLayer,  # QV-Ka: context G (B, 1, T, d_ctx) and values (B, H, T, D)
 }
 # The same kinds preallocated to a fixed length (`QKVShareStaticCache`); a linear-attention state has no length.
 STATIC_LAYER_CLASSES: dict[str, type[StaticLayer]] = {
     "key_value": StaticLayer,  # key and value, each (B, H_kv, max_cache_len, D)
     "tied": TiedStaticLayer,  # one buffer (B, H_kv, max_cache_len, D)
+    "context_value": ContextValueStaticLayer,  # G (B, 1, max_cache_len, d_ctx) and values (B, H, max_cache_len, D)
 }
 
 
@@ -268,7 +299,9 @@ class CacheLayout:
         kv_tie_point: "post_rope" (rotated keys cached) or "pre_rope" (unrotated, rotated on read) when a tied layer
             uses RoPE; None when the tie point does not change what is stored.
         num_key_value_heads, head_dim: the per-token shape (H_kv, D) of every cached tensor.
-        track_positions: whether the cache keeps the position ids of its tokens (pre-RoPE ties, "+" encoding).
+        track_positions: whether the cache keeps the position ids of its tokens (pre-RoPE ties, "+" encoding,
+            ALiBi, QV-Ka with RoPE).
+        key_context_dim: d_ctx of the QV-Ka context G the "context_value" layers hold (0 without them).
     """
 
     layer_kinds: tuple[str, ...]
@@ -276,12 +309,15 @@ class CacheLayout:
     num_key_value_heads: int
     head_dim: int
     track_positions: bool
+    key_context_dim: int = 0  # d_ctx of QV-Ka layers (the width of their cached context G); 0 without them
 
     @classmethod
     def for_config(cls, config: QKVShareConfig) -> CacheLayout:
         """The layout a model with this config reads and writes."""
         if config.attention_kernel == "linear":
             kinds = ("linear_state",) * config.num_hidden_layers
+        elif config.key_context_dim:
+            kinds = ("context_value",) * config.num_hidden_layers
         else:
             kinds = tuple("tied" if config.is_kv_tied(i) else "key_value" for i in range(config.num_hidden_layers))
         rope_ties = "tied" in kinds and config.position_embedding_type == "rope"
@@ -291,6 +327,7 @@ class CacheLayout:
             num_key_value_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             track_positions=config.needs_key_positions,
+            key_context_dim=config.key_context_dim,
         )
 
     def differences(self, other: CacheLayout) -> list[str]:
@@ -494,4 +531,6 @@ __all__ = [
     "TiedStaticLayer",
     "LinearAttentionStateLayer",
     "CacheLayout",
+    "ContextValueLayer",
+    "ContextValueStaticLayer",
 ]
