@@ -19,7 +19,7 @@ Design notes
 - Unknown flags are passed to the trainer verbatim (e.g. `--train_file`, `--config_overrides`, `--max_eval_samples`).
 - `--position_types learned rope alibi` trains every variant once per position scheme (appended to the trainer's
   `--config_overrides` as `position_embedding_type=...`), in `runs/<variant>_<type>/`, and tabulates them in one
-  table with a "positions" column; "vs QKV" is then against QKV with the same positions. This tests the QV
+  table, rows labelled `Q-K=V [rope]`; "vs QKV" is then against QKV with the same positions. This tests the QV
   source's claim that K=V loses least when the position signal stays out of the values (RoPE, ALiBi).
 """
 
@@ -316,7 +316,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     table = [
         [
             r["variant"],
-            r["position_type"],
             round(r["val_perplexity"], 3),
             "0" if r["ppl_change"] == 0 else f"{r['ppl_change']:+.1%}",
             f"{r['kv_cache_cut']:.1%}",
@@ -330,7 +329,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(
         [
             "variant",
-            "positions",
             "val PPL",
             f"vs {ref}",
             "KV-cache cut",
