@@ -36,6 +36,10 @@ Design notes
   sliding_window slots.
 - `attention_kernel="linear"` layers (the paper's appendix recurrence) get a `LinearAttentionStateLayer`: a
   constant-size state instead of per-token keys and values (dynamic cache only).
+- QV-Ka layers (`key_context_dim`, the second source) get a `ContextValueLayer` (`ContextValueStaticLayer` in the
+  static cache): the shared context G (B, 1, T, d_ctx) in `keys` and the values (B, H, T, D) in `values`; the
+  attention layer recomputes its keys [G ; V_i] W_i^K from them on read (docs/design.md, section 9, has the
+  measurements behind storing G and V rather than K and V).
 - `nbytes()` counts every tensor the cache holds, positions included: whole buffers for static caches, packed
   data plus scales and zero-points plus the residual buffers for quantized ones; offloaded caches count all the
   layers' bytes wherever they live (CPU memory for the offloaded ones).
@@ -459,16 +463,43 @@ class LinearAttentionStateLayer(CacheLayerMixin):
         )
 
 
+class ContextValueLayer(DynamicLayer):
+    """Cache layer of a QV-Ka attention layer (`key_context_dim` > 0): what its keys are computed from.
+
+    State: `keys` holds the shared context G (B, 1, T, d_ctx) (one per layer, not per head), `values` the values
+    (B, H, T, D). `update(context, values)` appends both along T and returns them whole; the attention layer
+    recomputes K_i = [G ; V_i] W_i^K from them. Every `DynamicLayer` operation (crop, beam reorder, batch
+    repeat/select, offload) acts on both tensors along the same axes, so it is inherited unchanged.
+    """
+
+
+class ContextValueStaticLayer(StaticLayer):
+    """Static form of `ContextValueLayer`: G in a (B, 1, max_cache_len, d_ctx) buffer, the values in a
+    (B, H, max_cache_len, D) one (transformers' `StaticLayer` would give the values G's single head)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.values = torch.zeros(
+            (self.batch_size, value_states.shape[1], self.max_cache_len, self.v_head_dim),
+            dtype=value_states.dtype,
+            device=self.device,
+        )  # (B, H, max_cache_len, D)
+        if not is_torchdynamo_compiling():
+            torch._dynamo.mark_static_address(self.values)
+
+
 # The kinds of cache layer, by what they store; `CacheLayout.layer_kinds` names one per decoder layer.
 LAYER_CLASSES: dict[str, type[CacheLayerMixin]] = {
     "key_value": DynamicLayer,  # untied layer: key and value, each (B, H_kv, T, D)
     "tied": TiedKVLayer,  # tied K/V: one tensor (B, H_kv, T, D)
     "linear_state": LinearAttentionStateLayer,  # attention_kernel="linear": a constant-size state
+    "context_value": ContextValueLayer,  # QV-Ka: context G (B, 1, T, d_ctx) and values (B, H, T, D)
 }
 # The same kinds preallocated to a fixed length (`QKVShareStaticCache`); a linear-attention state has no length.
 STATIC_LAYER_CLASSES: dict[str, type[StaticLayer]] = {
     "key_value": StaticLayer,  # key and value, each (B, H_kv, max_cache_len, D)
     "tied": TiedStaticLayer,  # one buffer (B, H_kv, max_cache_len, D)
+    "context_value": ContextValueStaticLayer,  # G (B, 1, max_cache_len, d_ctx) and values (B, H, max_cache_len, D)
 }
 # Layers of attention type "sliding_attention" (config `sliding_window`/`layer_types`), dynamic and static.
 SLIDING_LAYER_CLASSES: dict[str, type[DynamicSlidingWindowLayer]] = {
@@ -496,9 +527,11 @@ class CacheLayout:
         kv_tie_point: "post_rope" (rotated keys cached) or "pre_rope" (unrotated, rotated on read) when a tied layer
             uses RoPE; None when the tie point does not change what is stored.
         num_key_value_heads, head_dim: the per-token shape (H_kv, D) of every cached tensor.
-        track_positions: whether the cache keeps the position ids of its tokens (pre-RoPE ties, "+" encoding).
+        track_positions: whether the cache keeps the position ids of its tokens (pre-RoPE ties, "+" encoding,
+            ALiBi, QV-Ka with RoPE).
         attention_types: "full_attention" or "sliding_attention" per decoder layer.
         sliding_window: the window of the sliding layers; None when no layer slides.
+        key_context_dim: d_ctx of the QV-Ka context G the "context_value" layers hold (0 without them).
     """
 
     layer_kinds: tuple[str, ...]
@@ -508,12 +541,15 @@ class CacheLayout:
     track_positions: bool
     attention_types: tuple[str, ...]
     sliding_window: int | None
+    key_context_dim: int = 0  # d_ctx of QV-Ka layers (the width of their cached context G); 0 without them
 
     @classmethod
     def for_config(cls, config: QKVShareConfig) -> CacheLayout:
         """The layout a model with this config reads and writes."""
         if config.attention_kernel == "linear":
             kinds = ("linear_state",) * config.num_hidden_layers
+        elif config.key_context_dim:
+            kinds = ("context_value",) * config.num_hidden_layers
         else:
             kinds = tuple("tied" if config.is_kv_tied(i) else "key_value" for i in range(config.num_hidden_layers))
         rope_ties = "tied" in kinds and config.position_embedding_type == "rope"
@@ -526,6 +562,7 @@ class CacheLayout:
             track_positions=config.needs_key_positions,
             attention_types=attention_types,
             sliding_window=config.sliding_window if "sliding_attention" in attention_types else None,
+            key_context_dim=config.key_context_dim,
         )
 
     @property
@@ -831,10 +868,11 @@ class QKVShareQuantizedCache(QKVShareCache):
                 "them, or use backend='quanto' for group-wise options."
             )
         layout = CacheLayout.for_config(config)
-        if "linear_state" in layout.layer_kinds or "sliding_attention" in layout.attention_types:
+        if {"linear_state", "context_value"} & set(layout.layer_kinds) or "sliding_attention" in layout.attention_types:
             raise ValueError(
-                "QKVShareQuantizedCache: every layer must be a full-attention softmax layer (as in transformers' "
-                "QuantizedCache), but this config has attention_kernel='linear' or sliding-window layers; use "
+                "QKVShareQuantizedCache: every layer must be a full-attention softmax layer with keys and values (as "
+                "in transformers' QuantizedCache), but this config has attention_kernel='linear', QV-Ka "
+                "(key_context_dim) or sliding-window layers; use "
                 "QKVShareCache or QKVShareStaticCache (generate with cache_implementation='dynamic' or 'static')."
             )
         packages = {"quanto": ("optimum-quanto", is_optimum_quanto_available), "hqq": ("hqq", is_hqq_available)}
@@ -869,4 +907,6 @@ __all__ = [
     "TiedFp8QuantizedLayer",
     "LinearAttentionStateLayer",
     "CacheLayout",
+    "ContextValueLayer",
+    "ContextValueStaticLayer",
 ]

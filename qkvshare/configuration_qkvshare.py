@@ -34,7 +34,7 @@ logger = logging.get_logger(__name__)
 
 # Field values. Names are the public API (configs on the hub store them).
 PROJECTION_SHARING_MODES = ("none", "qk", "kv", "qkv")
-POSITION_EMBEDDING_TYPES = ("rope", "learned", "none")
+POSITION_EMBEDDING_TYPES = ("rope", "learned", "none", "alibi")
 KV_TIE_POINTS = ("post_rope", "pre_rope")
 NORM_TYPES = ("rmsnorm", "layernorm")
 MLP_TYPES = ("gated", "plain")
@@ -50,7 +50,23 @@ PAPER_NAMES = {"none": "QKV", "qk": "Q=K-V", "kv": "Q-K=V", "qkv": "Q=K=V"}
 _MODE_BY_PAPER_NAME = {name: mode for mode, name in PAPER_NAMES.items()} | {"QV": "kv"}
 
 # The paper's variant names; GQA-<g> and Q-GQA-<g> take any divisor g of the head count.
-VARIANTS = ("QKV", "Q=K-V", "Q-K=V", "QV", "Q=K=V", "(Q=K-V)+", "(Q=K=V)+", "GQA-<g>", "MQA", "Q-GQA-<g>", "Q-MQA")
+VARIANTS = (
+    "QKV",
+    "Q=K-V",
+    "Q-K=V",
+    "QV",
+    "Q=K=V",
+    "(Q=K-V)+",
+    "(Q=K=V)+",
+    "GQA-<g>",
+    "MQA",
+    "Q-GQA-<g>",
+    "Q-MQA",
+    "QV-Ka",
+    "QV-Ka-2",
+)
+# The second source's QV-Ka ("key after value and context"): d_ctx as a multiple of head_dim, by variant name.
+QV_KA_CONTEXT_MULTIPLES = {"QV-KA": 1, "QV-KA-2": 2}
 
 # m of the "+" variants when a preset does not set it: the paper uses m=10 for synthetic and set tasks.
 DEFAULT_ATTENTION_MAP_PE_DIM = 10
@@ -83,27 +99,35 @@ def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{field}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}.")
 
 
-def parse_variant(variant: str, num_attention_heads: int) -> dict[str, Any]:
+def parse_variant(variant: str, num_attention_heads: int, head_dim: int | None = None) -> dict[str, Any]:
     """Translate a paper variant name into config fields.
 
     Accepts ``QKV``, ``Q=K-V``, ``Q-K=V`` (alias ``QV``), ``Q=K=V``, ``(Q=K-V)+``, ``(Q=K=V)+`` (any of the
-    projection names in parentheses followed by ``+``), ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>`` and ``Q-MQA``.
+    projection names in parentheses followed by ``+``), ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>``, ``Q-MQA``, and the
+    second source's ``QV-Ka`` (d_ctx = head_dim) and ``QV-Ka-2`` (d_ctx = 2 x head_dim), which need ``head_dim``.
     ``≠`` and ``!=`` are accepted for ``-``. Returns the fields ``projection_sharing``,
-    ``num_key_value_heads`` and ``attention_map_pe_dim`` (``None`` when the variant has no "+").
+    ``num_key_value_heads``, ``key_context_dim`` (0 except for QV-Ka) and ``attention_map_pe_dim`` (0 when the
+    variant has no "+").
     """
     name = variant.strip().replace("≠", "-").replace("!=", "-").upper()
     plus = False
     match = re.fullmatch(r"\((.+)\)\+", name)
     if match:
         name, plus = match.group(1), True
-    if name in _MODE_BY_PAPER_NAME:
+    key_context_dim = 0
+    if name in QV_KA_CONTEXT_MULTIPLES:
+        if head_dim is None:
+            raise ValueError(f"variant={variant!r}: QV-Ka sets key_context_dim from head_dim; pass head_dim.")
+        key_context_dim = QV_KA_CONTEXT_MULTIPLES[name] * head_dim
+        fields = {"projection_sharing": "none", "num_key_value_heads": num_attention_heads}
+    elif name in _MODE_BY_PAPER_NAME:
         fields = {"projection_sharing": _MODE_BY_PAPER_NAME[name], "num_key_value_heads": num_attention_heads}
     else:
         match = re.fullmatch(r"(Q-)?(?:GQA-(\d+)|(MQA))", name)
         if match is None or (plus and match):
             raise ValueError(
                 f"variant={variant!r} is not a known variant; allowed: {', '.join(VARIANTS)} "
-                "(with <g> the number of key/value heads, and '+' only on QKV, Q=K-V, Q-K=V, Q=K=V)."
+                "(with <g> the number of key/value heads, and '+' only on QKV, Q=K-V, Q-K=V, Q=K=V, QV-Ka)."
             )
         groups = 1 if match.group(3) else int(match.group(2))
         if groups < 1 or num_attention_heads % groups:
@@ -111,6 +135,7 @@ def parse_variant(variant: str, num_attention_heads: int) -> dict[str, Any]:
                 f"variant={variant!r}: {groups} key/value heads must divide num_attention_heads={num_attention_heads}."
             )
         fields = {"projection_sharing": "kv" if match.group(1) else "none", "num_key_value_heads": groups}
+    fields["key_context_dim"] = key_context_dim
     fields["attention_map_pe_dim"] = DEFAULT_ATTENTION_MAP_PE_DIM if plus else 0
     return fields
 
@@ -122,6 +147,10 @@ def variant_name(config: "QKVShareConfig") -> str:
         return "mixed"
     mode = modes.pop()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if config.key_context_dim:  # QV-Ka (validated: every layer "none", as many key/value heads as heads)
+        multiple = {config.head_dim: "QV-Ka", 2 * config.head_dim: "QV-Ka-2"}
+        name = multiple.get(config.key_context_dim, f"QV-Ka(d_ctx={config.key_context_dim})")
+        return f"({name})+" if config.attention_map_pe_dim else name
     if kv_heads == heads:
         name = PAPER_NAMES[mode]
         return f"({name})+" if config.attention_map_pe_dim else name
@@ -297,9 +326,17 @@ class QKVShareConfig(PreTrainedConfig):
         kv_tie_point (`str`, defaults to `"post_rope"`): with RoPE and tied K/V, whether V is the rotated key
             (`"post_rope"`) or the key projection's output before rotation (`"pre_rope"`, the exact tie; the cache
             stores the unrotated tensor and rotates it on read). Both cache one tensor per tied layer.
+        key_context_dim (`int`, defaults to 0): d_ctx of the second source's QV-Ka ("key after value and
+            context"): a context projection G = X W_ctx (`ctx_proj`, hidden -> d_ctx) shared by all heads, and per
+            head K_i = [G ; V_i] W_i^K (`k_mix`, (d_ctx + head_dim) x head_dim per head) instead of `k_proj`; Q_i
+            and V_i are QKV's. The `QKVShareCache` stores V and G and recomputes the keys on read (docs/design.md,
+            section 9). Needs `projection_sharing="none"` in every layer and as many key/value heads as heads.
+            Variant names `QV-Ka` (d_ctx = head_dim) and `QV-Ka-2` (2 x head_dim). 0 turns it off.
 
     Architecture fields:
-        position_embedding_type (`str`, defaults to `"rope"`): `"rope"`, `"learned"` (absolute) or `"none"`.
+        position_embedding_type (`str`, defaults to `"rope"`): `"rope"`, `"learned"` (absolute), `"none"`, or
+            `"alibi"` (Press et al. 2022: a fixed per-head bias -slope_h * (i - j) on the scores, -slope_h * |i - j|
+            when `is_causal=False`; slopes 2^(-8h/H), eager and sdpa backends only).
         norm_type (`str`): `"rmsnorm"` or `"layernorm"`; mlp_type (`str`): `"gated"` (SwiGLU) or `"plain"` (GELU).
         is_causal (`bool`, defaults to True): False gives a bidirectional encoder.
         attention_kernel (`str`, defaults to `"softmax"`): `"linear"` selects the paper's appendix recurrence
@@ -349,6 +386,7 @@ class QKVShareConfig(PreTrainedConfig):
     attention_map_pe_layout: str = "original"
     attention_map_pe_init: str = "xavier"
     kv_tie_point: str = "post_rope"
+    key_context_dim: int = 0
     attention_kernel: str = "softmax"
     linear_attention_feature_map: str = "elu_plus_one"
     linear_attention_decay: int | float = 1.0
@@ -442,13 +480,36 @@ class QKVShareConfig(PreTrainedConfig):
             raise ValueError(
                 f"attention_map_pe_dim={self.attention_map_pe_dim} must be 0 (off) or at least 2 (the paper uses 10)."
             )
+        if self.key_context_dim < 0:
+            raise ValueError(
+                f"key_context_dim={self.key_context_dim} must be 0 (off) or a positive d_ctx (QV-Ka: head_dim or "
+                "2 x head_dim)."
+            )
+        if self.key_context_dim:
+            modes = sorted({self.layer_sharing(i) for i in range(self.num_hidden_layers)} - {"none"})
+            problems = [f"projection_sharing={mode!r} (needs 'none' in every layer)" for mode in modes]
+            if self.num_key_value_heads != self.num_attention_heads:
+                problems.append(
+                    f"num_key_value_heads={self.num_key_value_heads} (needs num_attention_heads="
+                    f"{self.num_attention_heads}: one key per head, built from that head's value)"
+                )
+            if self.attention_kernel != "softmax":
+                problems.append(f"attention_kernel={self.attention_kernel!r} (needs 'softmax')")
+            if self.sliding_window is not None:
+                problems.append(f"sliding_window={self.sliding_window} (the cache of G and V has no sliding form)")
+            if problems:
+                raise ValueError(
+                    f"key_context_dim={self.key_context_dim} (QV-Ka) builds each head's key from its own value and a "
+                    f"shared context, which does not combine with {'; '.join(problems)}. Set key_context_dim=0 for "
+                    "the other variants."
+                )
         if self.attention_kernel == "linear":
             if any(self.layer_sharing(i) != "qkv" for i in range(self.num_hidden_layers)):
                 raise ValueError(
                     "attention_kernel='linear' is the Q=K=V recurrence of the paper's appendix: it needs "
                     "projection_sharing='qkv' in every layer."
                 )
-            if self.attention_map_pe_dim or self.position_embedding_type == "rope" or not self.is_causal:
+            if self.attention_map_pe_dim or self.position_embedding_type in ("rope", "alibi") or not self.is_causal:
                 raise ValueError(
                     "attention_kernel='linear' needs attention_map_pe_dim=0, position_embedding_type "
                     "'learned' or 'none', and is_causal=True."
@@ -511,6 +572,8 @@ class QKVShareConfig(PreTrainedConfig):
         Q-K=V q,k,o; Q=K=V k,o (a shared projection does not exist at all)."""
         query = () if self.is_query_key_tied(layer_idx) else ("q_proj",)
         value = () if self.is_kv_tied(layer_idx) else ("v_proj",)
+        if self.key_context_dim:  # QV-Ka: keys from the context projection and the values (`k_mix`)
+            return ("q_proj", "ctx_proj", "v_proj", "k_mix", "o_proj")
         return (*query, "k_proj", *value, "o_proj")
 
     @property
@@ -523,9 +586,10 @@ class QKVShareConfig(PreTrainedConfig):
         some layers lack (`layer_projection_sharing`) gets the ``layers.*`` key and the other layers simply do
         not match it. The "+" map (m weights shared by all heads) stays replicated. The linear-attention kernel
         keeps its attention replicated: it reshapes with the full head count, which a sharded `k_proj` breaks.
+        So does QV-Ka (`key_context_dim`): `k_mix` holds every head's key map in one tensor, which no style shards.
         """
         plan = {}
-        if self.attention_kernel == "softmax":
+        if self.attention_kernel == "softmax" and not self.key_context_dim:
             present = {name for i in range(self.num_hidden_layers) for name in self.layer_projections(i)}
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 if name in present:
@@ -544,19 +608,29 @@ class QKVShareConfig(PreTrainedConfig):
 
     @property
     def needs_key_positions(self) -> bool:
-        """Whether attention needs the positions of cached keys (the "+" map, or pre-RoPE tied layers)."""
+        """Whether attention needs the positions of cached keys (the "+" map, pre-RoPE tied layers, ALiBi's
+        distance bias, or QV-Ka with RoPE, whose keys are recomputed and rotated on read)."""
         pre_rope = self.position_embedding_type == "rope" and self.kv_tie_point == "pre_rope"
         tied = any(self.is_kv_tied(i) for i in range(self.num_hidden_layers))
-        return self.attention_map_pe_dim > 0 or (pre_rope and tied)
+        rope_qv_ka = self.position_embedding_type == "rope" and self.key_context_dim > 0
+        return (
+            self.attention_map_pe_dim > 0
+            or (pre_rope and tied)
+            or self.position_embedding_type == "alibi"
+            or rope_qv_ka
+        )
 
     def kv_cache_elements_per_token(self) -> int:
         """Elements the KV cache holds per token (all layers): tied layers hold one tensor, others two.
 
-        0 with `attention_kernel="linear"`: that cache is a constant-size state, not a per-token one.
+        0 with `attention_kernel="linear"`: that cache is a constant-size state, not a per-token one. QV-Ka layers
+        (`key_context_dim`) hold the values and the shared context G: H_kv x head_dim + d_ctx.
         """
         if self.attention_kernel == "linear":
             return 0
         per_tensor = self.num_key_value_heads * self.head_dim
+        if self.key_context_dim:
+            return (per_tensor + self.key_context_dim) * self.num_hidden_layers
         return sum(per_tensor * (1 if self.is_kv_tied(i) else 2) for i in range(self.num_hidden_layers))
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
@@ -595,9 +669,14 @@ class QKVShareConfig(PreTrainedConfig):
         fields = dict(PRESETS[name])
         if variant is not None:
             heads = overrides.get("num_attention_heads", fields["num_attention_heads"])
-            parsed = parse_variant(variant, heads)
-            if not parsed["attention_map_pe_dim"]:
-                parsed.pop("attention_map_pe_dim")
+            head_dim = overrides.get("head_dim", fields.get("head_dim"))
+            if head_dim is None:  # as `__post_init__` derives it; a bad size is reported by the config's checks
+                hidden = overrides.get("hidden_size", fields["hidden_size"])
+                head_dim = hidden // heads if _is_int(hidden) and _is_int(heads) and heads > 0 else None
+            parsed = parse_variant(variant, heads, head_dim)
+            for optional in ("attention_map_pe_dim", "key_context_dim"):  # 0: keep the preset's (or override's)
+                if not parsed[optional]:
+                    parsed.pop(optional)
             fields.update(parsed)
         fields.update(overrides)
         _fit_token_ids(name, fields, given=overrides.keys())

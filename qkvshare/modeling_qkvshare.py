@@ -19,6 +19,12 @@ Design notes
   type ("full_attention", "sliding_attention") per forward, built by transformers' `create_causal_mask` /
   `create_sliding_window_causal_mask` (a query sees the last `sliding_window` keys, itself included); the cache keeps
   the window only, and its key positions follow the same window (per attention type).
+- ALiBi (`position_embedding_type="alibi"`, Press et al. 2022) is a fixed per-head bias -slope_h * (i - j)
+  (-slope_h * |i - j| for bidirectional models) built once per forward from the query and key positions and folded
+  into the attention mask, like the "+" bias: eager and sdpa only, exact with the cache (which records positions).
+- QV-Ka (`key_context_dim`, the second source) replaces `k_proj` by `ctx_proj` (G = X W_ctx, shared by all heads)
+  and `k_mix` (K_i = [G ; V_i] W_i^K). The `QKVShareCache` stores G and V, and the keys of every cached token are
+  recomputed on read (rotated at the cached positions with RoPE); any other cache stores K and V as for QKV.
 - Inputs are checked before any work: the cache (a QKVShareCache built for this model, or a transformers cache the
   model can use exactly), the shapes of input_ids/inputs_embeds and attention_mask. "+" models refuse foreign
   caches: only the QKVShare caches record the positions of cached keys, which the column term of the map needs.
@@ -108,6 +114,28 @@ def attention_map_encoding(
     return row, col
 
 
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's per-head slopes (Press et al. 2022, and their reference code): 2^(-8h/H) for h = 1..H when H is a
+    power of two; otherwise the slopes of the largest power of two n < H, then every other slope of 2n."""
+
+    def geometric(n: int) -> list[float]:
+        return [2 ** (-8 * (h + 1) / n) for h in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return geometric(closest) + geometric(2 * closest)[0::2][: num_heads - closest]
+
+
+def alibi_bias(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, slopes: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """ALiBi's score bias (B, H, q, kv): -slope_h * (i - j) for query position i and key position j (keys after
+    the query are masked anyway when causal), or -slope_h * |i - j| when bidirectional."""
+    distance = (query_positions[:, :, None] - key_positions[:, None, :]).to(slopes.dtype)  # (B, q, kv)
+    if not causal:
+        distance = distance.abs()
+    return -slopes[None, :, None, None] * distance[:, None]  # (B, H, q, kv)
+
+
 def add_bias_to_mask(mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor:
     """Fold an additive score bias (B, 1, q, kv) into a (boolean or additive float) attention mask."""
     if mask is None:
@@ -122,6 +150,25 @@ class AttentionMapPE(nn.Linear):
 
     def __init__(self, dim: int):
         super().__init__(dim, 1)
+
+
+class KeyMix(nn.Module):
+    """QV-Ka's per-head key maps W_i^K, of shape (d_ctx + D) x D each, applied to [G ; V_i] (the second source).
+
+    `weight` (H, d_ctx + D, D): rows [:d_ctx] act on the shared context G, rows [d_ctx:] on the head's value.
+    No bias: the source's formula has none.
+    """
+
+    def __init__(self, num_heads: int, context_dim: int, head_dim: int):
+        super().__init__()
+        self.context_dim, self.head_dim = context_dim, head_dim
+        self.weight = nn.Parameter(torch.empty(num_heads, context_dim + head_dim, head_dim))
+
+    def forward(self, context: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Keys (B, H, T, D) from the context (B, 1, T, d_ctx) and the values (B, H, T, D)."""
+        w_context, w_value = self.weight.split([self.context_dim, self.head_dim], dim=1)
+        # [G ; V_i] W_i^K = G W_i^K[:d_ctx] + V_i W_i^K[d_ctx:], without building the (B, H, T, d_ctx + D) concatenation
+        return torch.matmul(context, w_context) + torch.matmul(value, w_value)
 
 
 class QKVSharePlainMLP(nn.Module):
@@ -171,7 +218,11 @@ class QKVShareAttention(nn.Module):
         hidden, bias = config.hidden_size, config.attention_bias
         if not self.query_is_key:
             self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        if config.key_context_dim:  # QV-Ka: the keys come from a shared context and the values, not from k_proj
+            self.ctx_proj = nn.Linear(hidden, config.key_context_dim, bias=bias)
+            self.k_mix = KeyMix(config.num_key_value_heads, config.key_context_dim, self.head_dim)
+        else:
+            self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         if not self.kv_tied:
             self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
@@ -197,6 +248,37 @@ class QKVShareAttention(nn.Module):
             key = rotated_key
         return query, key, value
 
+    def project_from_context(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: Cache | None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """QV-Ka: query, key and value of every key this forward attends to, through the cache.
+
+        Q_i and V_i as in QKV, G = X W_ctx, K_i = [G ; V_i] W_i^K (RoPE on Q and K only). A `QKVShareCache` stores
+        G and V, and the keys of all cached tokens are recomputed from them (rotated at the cached positions);
+        another cache gets K and V.
+        """
+        query = self._heads(self.q_proj, hidden_states)  # (B, H, T, D)
+        value = self._heads(self.v_proj, hidden_states)  # (B, H, T, D)
+        context = self.ctx_proj(hidden_states).unsqueeze(1)  # (B, 1, T, d_ctx)
+        if position_embeddings is not None:
+            query = rotate(query, *position_embeddings)
+        if isinstance(cache, QKVShareCache):  # G and V stored: the keys of every cached token are recomputed
+            context, value = cache.update(context, value, self.layer_idx)  # (B, 1, T_all, d_ctx), (B, H, T_all, D)
+            key = self.k_mix(context, value)  # (B, H, T_all, D)
+            if position_embeddings is not None:
+                key = rotate(key, *key_position_embeddings)
+            return query, key, value
+        key = self.k_mix(context, value)  # (B, H, T, D)
+        if position_embeddings is not None:
+            key = rotate(key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        return query, key, value
+
     def map_bias(self, map_encoding: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The "+" term P.w + b as a (B, 1, q, kv) score bias."""
         row, col = map_encoding
@@ -217,9 +299,14 @@ class QKVShareAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        query, key, value = self.project(hidden_states, position_embeddings)
+        if self.config.key_context_dim:  # QV-Ka: keys recomputed from the cached context and values
+            query, key, value = self.project_from_context(
+                hidden_states, position_embeddings, cache, key_position_embeddings
+            )
+        else:
+            query, key, value = self.project(hidden_states, position_embeddings)
 
-        if cache is not None:
+        if cache is not None and not self.config.key_context_dim:
             if self.kv_tied and isinstance(cache, QKVShareCache):
                 # One tensor: the unrotated key (= value) for pre-RoPE ties, else the (rotated) key.
                 stored, _ = cache.update(value if self.pre_rope_tie else key, None, self.layer_idx)
@@ -303,6 +390,11 @@ class QKVSharePreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, KeyMix):
+            # Variance-preserving (std 1/sqrt(fan_in)): keys start at the scale a k_proj output has under the
+            # N(0, initializer_range) init of the projections feeding it.
+            init.normal_(module.weight, mean=0.0, std=module.weight.shape[1] ** -0.5)
+            return
         if not isinstance(module, AttentionMapPE):
             super()._init_weights(module)
             return
@@ -335,6 +427,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
         # cos/sin at every cached position (they rotate their cached keys on read).
         self.cache_layout = CacheLayout.for_config(config)
         self.has_pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
+        # QV-Ka with RoPE rotates the keys it recomputes from the cache at the cached positions, too.
+        self.rotates_cached_keys = self.has_pre_rope_ties or bool(config.key_context_dim)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -356,6 +450,12 @@ class QKVShareModel(QKVSharePreTrainedModel):
             raise ValueError(
                 f"cache: attention_kernel='linear' keeps a constant-size state that only QKVShareCache holds, got a "
                 f"{name}; {fix}."
+            )
+        if self.config.position_embedding_type == "alibi":
+            raise ValueError(
+                f"cache: position_embedding_type='alibi' needs the position of every cached key (its bias is "
+                f"-slope * distance), which only QKVShare caches record; a {name} does not (assuming positions "
+                f"0..past-1 would be wrong for left-padded batches). To fix it, {fix}."
             )
         if self.config.attention_map_pe_dim:
             raise ValueError(
@@ -385,6 +485,11 @@ class QKVShareModel(QKVSharePreTrainedModel):
                 f"attention_map_pe_dim={self.config.attention_map_pe_dim} (the '+' variants) adds a score bias, which "
                 f"the {implementation!r} attention backend cannot take; load the model with "
                 f"attn_implementation='sdpa' or 'eager'."
+            )
+        if self.config.position_embedding_type == "alibi" and implementation not in _BIAS_CAPABLE_BACKENDS:
+            raise ValueError(
+                f"position_embedding_type='alibi' adds a per-head score bias, which the {implementation!r} attention "
+                "backend cannot take; load the model with attn_implementation='sdpa' or 'eager'."
             )
         if input_ids is not None:
             name, shape, expected = "input_ids", tuple(input_ids.shape), "(batch, sequence)"
@@ -454,14 +559,16 @@ class QKVShareModel(QKVSharePreTrainedModel):
         padding mask (or a 4D one, used as is), sized by `cache` as it is before this forward's update."""
         masks = {}
         for attention_type in self.cache_layout.present_attention_types:
-            # The "+" bias is folded into the mask, so the mask must be materialized (no is_causal shortcut).
+            # The "+" and ALiBi biases are folded into the mask, so it must be materialized (no is_causal shortcut).
             mask = MASK_BUILDERS[attention_type](
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 cache=cache,
                 position_ids=position_ids,
-                allow_is_causal_skip=not self.config.attention_map_pe_dim,
+                allow_is_causal_skip=not (
+                    self.config.attention_map_pe_dim or self.config.position_embedding_type == "alibi"
+                ),
             )
             eager = self.config._attn_implementation == "eager"
             if eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
@@ -501,15 +608,20 @@ class QKVShareModel(QKVSharePreTrainedModel):
             key_position_ids = dict.fromkeys(self.cache_layout.present_attention_types, query_position_ids)
 
         rope = self.rotary_emb(hidden_states, position_ids=position_ids) if self.rotary_emb is not None else None
+        slopes = None
+        if self.config.position_embedding_type == "alibi":  # folded into the masks by `forward`, once for all layers
+            slopes = torch.tensor(alibi_slopes(self.config.num_attention_heads), device=inputs_embeds.device)
         layer_inputs = {}
         for attention_type, keys in key_position_ids.items():
             inputs = {"position_embeddings": rope, "key_position_embeddings": None, "map_encoding": None}
-            if rope is not None and self.has_pre_rope_ties and isinstance(cache, QKVShareCache):
+            if rope is not None and self.rotates_cached_keys and isinstance(cache, QKVShareCache):
                 inputs["key_position_embeddings"] = self.rotary_emb(hidden_states, position_ids=keys)
             if self.config.attention_map_pe_dim:
                 inputs["map_encoding"] = attention_map_encoding(
                     query_position_ids, keys, self.config.attention_map_pe_dim, self.config.attention_map_pe_layout
                 )
+            if slopes is not None:
+                inputs["alibi_bias"] = alibi_bias(query_position_ids, keys, slopes, self.config.is_causal)
             layer_inputs[attention_type] = inputs
         return hidden_states, layer_inputs
 
@@ -555,6 +667,11 @@ class QKVShareModel(QKVSharePreTrainedModel):
             masks = self.build_masks(inputs_embeds, attention_mask, cache, position_ids)
 
         hidden_states, position_inputs = self._positions(inputs_embeds, position_ids, cache)
+        if self.config.position_embedding_type == "alibi":
+            masks = dict(masks)
+            for attention_type, inputs in position_inputs.items():
+                bias = inputs.pop("alibi_bias").to(inputs_embeds.dtype)
+                masks[attention_type] = add_bias_to_mask(masks[attention_type], bias)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(

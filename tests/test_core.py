@@ -454,7 +454,7 @@ print(json.dumps({{"imported": any(m.split(".")[0] == "qkvshare" for m in sys.mo
         (dict(projection_sharing="qkv", num_key_value_heads=1), "Use 'kv' \\(Q-K=V\\) with GQA/MQA instead"),
         (dict(layer_projection_sharing=["kv"]), "layer_projection_sharing has 1 entries but num_hidden_layers=2"),
         (dict(layer_projection_sharing=["kv", "q"]), "layer_projection_sharing\\[1\\]='q' is not supported"),
-        (dict(position_embedding_type="alibi"), "position_embedding_type='alibi' is not supported"),
+        (dict(position_embedding_type="sinusoidal"), "position_embedding_type='sinusoidal' is not supported"),
         (dict(kv_tie_point="middle"), "kv_tie_point='middle' is not supported"),
         (dict(norm_type="batchnorm"), "norm_type='batchnorm'"),
         (dict(mlp_type="moe"), "mlp_type='moe'"),

@@ -5,7 +5,7 @@ The command-line conventions of every command (help layout, `--dtype` names, fil
 Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
   variant is the base with only the sharing fields replaced (`projection_sharing`, `num_key_value_heads`,
-  `attention_map_pe_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
+  `attention_map_pe_dim`, `key_context_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
 - Llama-architecture config.json files (model_type llama/mistral) map onto the Llama-style QKVShare fields, so
   the tools accept any such checkpoint directory.
 - Light at import time (standard library and `qkvshare.overrides` only): the commands' `parse_args` import it
@@ -131,7 +131,7 @@ def variant_config(base: QKVShareConfig, variant: str) -> QKVShareConfig:
     """``base`` turned into the paper variant ``variant`` (same shape; only the sharing fields change)."""
     from qkvshare.configuration_qkvshare import parse_variant
 
-    parsed = parse_variant(variant, base.num_attention_heads)
+    parsed = parse_variant(variant, base.num_attention_heads, base.head_dim)
     if not parsed["attention_map_pe_dim"]:
         parsed["attention_map_pe_dim"] = 0
     return with_fields(base, layer_projection_sharing=None, **parsed)
@@ -146,7 +146,8 @@ def default_gqa_groups(num_heads: int) -> int | None:
 
 
 def default_variants(base: QKVShareConfig, plus: bool = True) -> list[str]:
-    """QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA (and the "+" variants) for this head count."""
+    """QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA for this head count (the paper's LM variants), and with
+    `plus` the "+" variants and the second source's QV-Ka and QV-Ka-2 (the full list `qkvshare costs` shows)."""
     g = default_gqa_groups(base.num_attention_heads)
     names = ["QKV", "Q=K-V", "Q-K=V", "Q=K=V"]
     if g is not None:
@@ -158,7 +159,7 @@ def default_variants(base: QKVShareConfig, plus: bool = True) -> list[str]:
     if base.num_attention_heads > 1:
         names.append("Q-MQA")
     if plus:
-        names += ["(Q=K-V)+", "(Q=K=V)+"]
+        names += ["(Q=K-V)+", "(Q=K=V)+", "QV-Ka", "QV-Ka-2"]
     return names
 
 

@@ -17,6 +17,10 @@ Design notes
   CPU-second of this process (summed over its threads), which such load barely moves. `qkvshare bench --sections
   train` measures training throughput with interleaved repetitions instead.
 - Unknown flags are passed to the trainer verbatim (e.g. `--train_file`, `--config_overrides`, `--max_eval_samples`).
+- `--position_types learned rope alibi` trains every variant once per position scheme (appended to the trainer's
+  `--config_overrides` as `position_embedding_type=...`), in `runs/<variant>_<type>/`, and tabulates them in one
+  table, rows labelled `Q-K=V [rope]`; "vs QKV" is then against QKV with the same positions. This tests the QV
+  source's claim that K=V loses least when the position signal stays out of the values (RoPE, ALiBi).
 """
 
 from __future__ import annotations
@@ -81,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULTS["max_eval_samples"],
         help="validation blocks (the same for every variant)",
     )
+    p.add_argument(
+        "--position_types",
+        nargs="*",
+        help="train each variant with each of these position_embedding_type values (learned, rope, alibi, none); "
+        "default: the preset's own",
+    )
     p.add_argument("--table_only", action="store_true", help="do not train; tabulate the finished variants")
     return p
 
@@ -92,7 +102,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     `ValueError` names the bad option. `main` checks the preset and the variant names, which need the config.
     """
     args, passthrough = build_parser().parse_known_args(argv)
-    check_nonempty(args, ("variants",))
+    check_nonempty(args, ("variants", "position_types"))
+    if args.position_types and len(set(args.position_types)) != len(args.position_types):
+        raise ValueError(f"--position_types has duplicates: {args.position_types}.")
+    if args.position_types and any("position_embedding_type" in a for a in passthrough):
+        raise ValueError("--position_types sets position_embedding_type per run; leave it out of --config_overrides.")
     if args.variants and len({slug(v) for v in args.variants}) != len(args.variants):
         raise ValueError(f"--variants has duplicates: {args.variants}.")
     for flag in ("max_steps", "per_device_train_batch_size", "block_size"):
@@ -116,6 +130,36 @@ def ordered_variants(preset: str, given: list[str] | None) -> list[str]:
     variants = given or default_variants(base, plus=False)
     first = ["QKV", "Q-K=V", "Q=K-V", "Q=K=V"]
     return check_variants(base, [v for v in first if v in variants] + [v for v in variants if v not in first])
+
+
+def run_plan(preset: str, variants: list[str], position_types: list[str] | None) -> list[tuple[str, str, str | None]]:
+    """(label, variant, position type) of every run; the label (`Q-K=V [alibi]`) names its row and, through `slug`,
+    its directory. Without position types: one run per variant, labelled by the variant, with the preset's positions.
+    Every (variant, position type) config is built here, so a combination the config refuses fails before training.
+    """
+    if not position_types:
+        return [(v, v, None) for v in variants]
+    from qkvshare.configuration_qkvshare import QKVShareConfig
+
+    for position_type in position_types:
+        for variant in variants:
+            QKVShareConfig.from_preset(preset, variant, position_embedding_type=position_type)
+    return [(f"{v} [{p}]", v, p) for p in position_types for v in variants]
+
+
+def with_position_type(train_args: list[str], position_type: str | None) -> list[str]:
+    """The trainer flags with `position_embedding_type=<position_type>` added to `--config_overrides`."""
+    if position_type is None:
+        return train_args
+    override, argv = f"position_embedding_type={position_type}", list(train_args)
+    for i, arg in enumerate(argv):
+        if arg == "--config_overrides" and i + 1 < len(argv):
+            argv[i + 1] = f"{argv[i + 1]},{override}"
+            return argv
+        if arg.startswith("--config_overrides="):
+            argv[i] = f"{arg},{override}"
+            return argv
+    return [*argv, "--config_overrides", override]
 
 
 def shared_train_args(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
@@ -218,10 +262,17 @@ def read_log(path: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
-def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list[dict[str, Any]]:
-    """One row per finished variant: metrics of the final model, parameters, cache cut, training speed."""
+def collect(
+    output_dir: Path, variants: list[str], tokens_per_step: int, position_types: dict[str, str | None] | None = None
+) -> list[dict[str, Any]]:
+    """One row per finished run: metrics of the final model, parameters, cache cut, training speed.
+
+    `variants` are the run labels; `position_types` maps a label to its position type (runs of `--position_types`),
+    and "vs QKV" (`ppl_change`) is then against the QKV run with the same positions.
+    """
     from qkvshare.configuration_qkvshare import QKVShareConfig
 
+    position_types = position_types or {}
     rows = []
     for v in variants:
         run_dir = output_dir / "runs" / slug(v)
@@ -239,6 +290,7 @@ def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list
         rows.append(
             {
                 "variant": v,
+                "position_type": position_types.get(v) or cfg.position_embedding_type,
                 "val_perplexity": m["val_perplexity"],
                 "val_loss": m["val_loss"],
                 "val_tokens": m["val_tokens"],
@@ -250,19 +302,22 @@ def collect(output_dir: Path, variants: list[str], tokens_per_step: int) -> list
                 "loss_curve": [[s, log[s]["loss"]] for s in sorted(log)],
             }
         )
-    ref = next((r for r in rows if r["variant"] == "QKV"), rows[0] if rows else None)
     for r in rows:
+        same = [q for q in rows if q["position_type"] == r["position_type"]] if position_types else rows
+        qkv = [f"QKV [{r['position_type']}]"] if position_types else ["QKV"]
+        ref = next((q for q in same if q["variant"] in qkv), same[0])
         r["ppl_change"] = r["val_perplexity"] / ref["val_perplexity"] - 1
     return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    ref = next((r["variant"] for r in rows if r["variant"] == "QKV"), rows[0]["variant"])
+    bases = [r["variant"].split(" [")[0] for r in rows]  # labels of --position_types runs: "Q-K=V [alibi]"
+    ref = "QKV" if "QKV" in bases else bases[0]
     table = [
         [
             r["variant"],
             round(r["val_perplexity"], 3),
-            "0" if r["variant"] == ref else f"{r['ppl_change']:+.1%}",
+            "0" if r["ppl_change"] == 0 else f"{r['ppl_change']:+.1%}",
             f"{r['kv_cache_cut']:.1%}",
             r["parameters"],
             round(r["train_tokens_per_s"] or math.nan, 1),
@@ -304,21 +359,23 @@ def main(argv: list[str] | None = None) -> int:
         args, passthrough = parse_args(argv)
         output_dir = Path(args.output_dir)
         variants = ordered_variants(args.preset, args.variants)
+        plan = run_plan(args.preset, variants, args.position_types)
         train_args = shared_train_args(args, passthrough)
         if not args.table_only:
-            check_settings(output_dir, {"train_args": train_args, "variants": variants})
+            check_settings(output_dir, {"train_args": train_args, "variants": [label for label, _, _ in plan]})
     except ValueError as err:
         print(f"qkvshare compare: error: {err}", file=sys.stderr)
         return 2
 
     if not args.table_only:
         tokenizer = None
-        for v in variants:
-            run_dir = output_dir / "runs" / slug(v)
-            rc = train_variant(v, run_dir, output_dir / "logs" / f"{slug(v)}.jsonl", train_args, tokenizer)
+        for label, v, position_type in plan:
+            run_dir = output_dir / "runs" / slug(label)
+            log_path = output_dir / "logs" / f"{slug(label)}.jsonl"
+            rc = train_variant(v, run_dir, log_path, with_position_type(train_args, position_type), tokenizer)
             if rc != 0:
                 print(
-                    f"qkvshare compare: training {v} failed (exit {rc}); rerun the same command to resume.",
+                    f"qkvshare compare: training {label} failed (exit {rc}); rerun the same command to resume.",
                     file=sys.stderr,
                 )
                 return rc
@@ -330,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         ta = json.loads(settings_path.read_text())["train_args"]
         if "--gradient_accumulation_steps" in ta:
             tokens_per_step *= int(ta[ta.index("--gradient_accumulation_steps") + 1])
-    rows = collect(output_dir, variants, tokens_per_step)
+    labels = [label for label, _, _ in plan]
+    rows = collect(output_dir, labels, tokens_per_step, {label: p for label, _, p in plan if p is not None})
     if not rows:
         print(f"qkvshare compare: no finished variant under {output_dir / 'runs'}.", file=sys.stderr)
         return 1

@@ -18,7 +18,13 @@ Conventions (chosen to reproduce the paper's figures for ``paper-300m`` exactly;
   "Attention share" = (attention projections + score/AV products + "+" map) / total; for paper-300m QKV it is
   43.3% at T=2048 and 53.4% at T=4096 (the paper: passes 50% at 4096).
 - KV-cache bytes per token: num_key_value_heads x head_dim per cached tensor per layer; layers with tied K/V
-  (Q-K=V, Q=K=V and the Q-GQA/Q-MQA combinations) cache one tensor, others two. Context sizes use decimal GB,
+  (Q-K=V, Q=K=V and the Q-GQA/Q-MQA combinations) cache one tensor, others two.
+- QV-Ka (the second source, `key_context_dim` = d_ctx): parameters q, v, o as in QKV plus `ctx_proj` (d x d_ctx,
+  with a bias when the attention has biases) and `k_mix` (H x (d_ctx + D) x D, no bias) instead of `k_proj`; the
+  forward's MACs count `k_mix` as a (d_ctx + D) -> H x D map per token. Its cache holds V and G: H x D + d_ctx
+  elements per token and layer (the positions RoPE models also keep, 8 bytes per token, are not in these figures,
+  as for pre-RoPE ties). Decoding then recomputes the cached tokens' keys each step, T x H x (d_ctx + D) x D MACs
+  per layer, which no forward-MAC column shows (benchmarks/qvka_cache.py measures it). Context sizes use decimal GB,
   as the paper (32k = 32,000 tokens: 2.62 GB for paper-300m QKV in fp16).
 - Lengths and the model's positions: the default sequence and context lengths stop at the shape's
   `max_position_embeddings` (ending at it), and the output says which defaults were dropped. Lengths asked for
@@ -60,9 +66,19 @@ DEFAULT_CONTEXT_LENS = (2048, 32000)
 # parameters
 # ----------------------------------------------------------------------------------------------------------------
 def attention_projection_shapes(config: QKVShareConfig, layer_idx: int) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection layer ``layer_idx`` has; a projection its sharing mode drops is absent."""
+    """(in, out) of each projection layer ``layer_idx`` has; a projection its sharing mode drops is absent. QV-Ka's
+    ``k_mix`` (no bias) is listed as a (d_ctx + D) -> H x D map: its parameters and per-token MACs."""
     d, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
     kv_out = config.num_key_value_heads * config.head_dim
+    if config.key_context_dim:
+        d_ctx = config.key_context_dim
+        return {
+            "q": (d, q_out),
+            "ctx": (d, d_ctx),
+            "v": (d, kv_out),
+            "k_mix": (d_ctx + config.head_dim, kv_out),
+            "o": (q_out, d),
+        }
     present = {"none": "qkvo", "qk": "kvo", "kv": "qko", "qkv": "ko"}[config.layer_sharing(layer_idx)]
     shapes = {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out), "o": (q_out, d)}
     return {name: shapes[name] for name in present}
@@ -73,8 +89,9 @@ def parameter_counts(config: QKVShareConfig) -> dict[str, int]:
     d, ff = config.hidden_size, config.intermediate_size
     attention = 0
     for i in range(config.num_hidden_layers):
-        for fan_in, fan_out in attention_projection_shapes(config, i).values():
-            attention += fan_in * fan_out + (fan_out if config.attention_bias else 0)
+        for name, (fan_in, fan_out) in attention_projection_shapes(config, i).items():
+            biased = config.attention_bias and name != "k_mix"
+            attention += fan_in * fan_out + (fan_out if biased else 0)
         if config.attention_map_pe_dim:
             attention += config.attention_map_pe_dim + 1
     n_mlp_mats = 3 if config.mlp_type == "gated" else 2
@@ -326,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="*",
         help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
-        "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+; g = heads/4). The first one is the reference.",
+        "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+, QV-Ka, QV-Ka-2; g = heads/4). The first one is the reference.",
     )
     up_to = "up to the model's max_position_embeddings"
     seq_default, context_default = " ".join(map(str, DEFAULT_SEQ_LENS)), " ".join(map(str, DEFAULT_CONTEXT_LENS))

@@ -128,6 +128,12 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
             f"{Path(model_dir) / 'config.json'} has no integer {' or '.join(missing)}: not a transformer config; "
             "pass a QKVShare or Llama-architecture model directory."
         )
+    if config.get("key_context_dim"):
+        raise ValueError(
+            f"{model_dir!s} is a QV-Ka model (key_context_dim={config['key_context_dim']}): it has no W_k (each key is "
+            "[G ; V_i] W_i^K, computed from the context and the value), so W_q/W_k/W_v cosines and ranks are not "
+            "defined for it; analyze the other variants."
+        )
     layers = load_qkv_weights(model_dir)
     modes = layer_modes(config, layers)
     heads = config["num_attention_heads"]

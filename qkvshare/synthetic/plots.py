@@ -47,7 +47,7 @@ def plot_attention_maps(
     path: Path,
 ) -> str | None:
     """Grid of attention maps for the figure cells whose models exist; returns the PNG path (None if none exist)."""
-    by_key = {(c.task, c.variant): c for c in cells if (Path(models_dir) / dir_name(c)).exists()}
+    by_key = {(c.task, c.label): c for c in cells if (Path(models_dir) / dir_name(c)).exists()}
     if not by_key:
         return None
     plt = _pyplot()

@@ -23,6 +23,10 @@ Design choices
   as a learned temperature sum(w) plus a key-position bias, not as an (i, j)-dependent routing.
 - Cells are independent: the seed fixes the initialization, the data and the shuffling. Cells run in `--workers`
   processes with `--threads` torch threads each (tiny models: one thread per process is the efficient choice).
+- `--position_types learned rope alibi` trains every variant with each position scheme (default: learned, the
+  paper's). A cell's position type is part of its key only when it is not "learned", so earlier results stay
+  valid; the table labels such rows `variant [rope]`, and the paper's numbers sit next to the learned rows only.
+  The QV source's claim (K=V loses least when positions stay out of V) is what `rope` and `alibi` test.
 - `--grid default` (emb 64, 2 layers, 4 heads, length 32, seeds 0-2: 90 cells) is sized for about 15 minutes on
   2 free CPU cores and is the cheapest measured corner of the paper's grid that separates the variants (see the
   comment on `GRIDS`); `--grid paper` is the paper's full grid (3 x 2 x 2 x 3 x 3 seeds = 108 runs per variant
@@ -102,6 +106,7 @@ CSV_FIELDS = [
     "batch_size",
     "lr",
     "map_pe_init",
+    "position_type",
     "token_accuracy",
     "sequence_accuracy",
     "final_train_loss",
@@ -141,6 +146,10 @@ class SweepArgs:
     grad_clip: float = field(default=5.0, metadata={"help": "gradient-norm clip (paper: 5)"})
     map_pe_init: str = field(
         default="xavier", metadata={"help": 'init of the "+" map: xavier (the original code\'s), unit_scale or normal'}
+    )
+    position_types: list[str] = field(
+        default_factory=lambda: ["learned"],
+        metadata={"help": "position schemes, each a grid axis: learned (the paper's), rope, alibi, none"},
     )
     workers: int = field(default=2, metadata={"help": "parallel processes, one cell each"})
     threads: int = field(default=1, metadata={"help": "torch threads per worker"})
@@ -182,6 +191,12 @@ class Cell:
     grad_clip: float
     map_pe_init: str
     attn_implementation: str
+    position_type: str = "learned"
+
+    @property
+    def label(self) -> str:
+        """The variant as the table and figures name it: with its position type unless that is "learned"."""
+        return self.variant if self.position_type == "learned" else f"{self.variant} [{self.position_type}]"
 
     @property
     def key(self) -> str:
@@ -191,6 +206,7 @@ class Cell:
             f"|w{self.warmup_fraction:g}|c{self.grad_clip:g}"
             # the "+" init changes nothing else: other variants keep their key (and results) across inits
             + (f"|pe-{self.map_pe_init}" if self.variant.strip().endswith("+") else "")
+            + (f"|pos-{self.position_type}" if self.position_type != "learned" else "")
         )
 
     @property
@@ -200,7 +216,7 @@ class Cell:
 
 def validate(args: SweepArgs) -> list[Cell]:
     """Check every argument before any training and return the cells of the sweep (a clear ValueError if bad)."""
-    from qkvshare.configuration_qkvshare import ATTENTION_MAP_PE_INITS, parse_variant
+    from qkvshare.configuration_qkvshare import ATTENTION_MAP_PE_INITS, POSITION_EMBEDDING_TYPES, parse_variant
 
     axes = args.axes()
     for task in args.tasks:
@@ -208,9 +224,17 @@ def validate(args: SweepArgs) -> list[Cell]:
             raise ValueError(f"task {task!r} is not a synthetic task; allowed: {', '.join(TASKS)}.")
     if args.map_pe_init not in ATTENTION_MAP_PE_INITS:
         raise ValueError(f"map_pe_init={args.map_pe_init!r}; allowed: {', '.join(ATTENTION_MAP_PE_INITS)}.")
+    for position_type in args.position_types:
+        if position_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position type {position_type!r} is not known; allowed: {', '.join(POSITION_EMBEDDING_TYPES)}."
+            )
+    if len(set(args.position_types)) != len(args.position_types):
+        raise ValueError(f"position_types has duplicates: {args.position_types}.")
     for heads in axes["heads"]:
         for variant in args.variants:
-            parse_variant(variant, heads)  # raises a ValueError naming the variant
+            for emb in axes["embedding_sizes"]:
+                parse_variant(variant, heads, emb // heads)  # raises a ValueError naming the variant
     for emb in axes["embedding_sizes"]:
         for heads in axes["heads"]:
             if emb % heads:
@@ -235,7 +259,8 @@ def validate(args: SweepArgs) -> list[Cell]:
         attn_implementation=args.attn_implementation,
     )
     return [
-        Cell(variant, task, emb, layers, heads, length, seed, **recipe)
+        Cell(variant, task, emb, layers, heads, length, seed, **recipe, position_type=position_type)
+        for position_type in args.position_types
         for emb in axes["embedding_sizes"]
         for layers in axes["layers"]
         for heads in axes["heads"]
@@ -260,7 +285,7 @@ def build_model(cell: Cell, attn_implementation: str | None = None):
         num_hidden_layers=cell.layers,
         num_attention_heads=cell.heads,
         max_position_embeddings=cell.length,
-        **ARCHITECTURE_STYLES["gpt2"],  # pre-LayerNorm, GELU MLP, biases, learned absolute positions
+        **ARCHITECTURE_STYLES["gpt2"] | {"position_embedding_type": cell.position_type},  # pre-LayerNorm, GELU MLP
         is_causal=False,
         num_labels=NUM_SYMBOLS,
         attention_map_pe_init=cell.map_pe_init,
@@ -390,12 +415,14 @@ def run_sweep(args: SweepArgs) -> SweepResult:
     point = figure_point(args)
 
     def save_dir(cell: Cell) -> str | None:
-        return str(out / "models" / model_dir_name(cell)) if cell.grid_point == point else None
+        in_figure = cell.grid_point == point and cell.position_type == args.position_types[0]
+        return str(out / "models" / model_dir_name(cell)) if in_figure else None
 
     from tqdm.auto import tqdm
 
     trained = []
     jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
+    upgrade_results(csv_path)
     new_file = not csv_path.exists()
     with csv_path.open("a", newline="") as csv_file, curves_path.open("a") as curves_file:
         writer = csv.DictWriter(csv_file, fieldnames=CSV_FIELDS)
@@ -420,7 +447,7 @@ def run_sweep(args: SweepArgs) -> SweepResult:
 
     keys = {cell.key for cell in cells}
     rows = [row for row in read_results(csv_path) if row["key"] in keys]
-    table = results_table(rows, args.variants, args.tasks)
+    table = results_table(rows, args.variants, args.tasks, args.position_types)
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
     if args.plots:
@@ -430,10 +457,11 @@ def run_sweep(args: SweepArgs) -> SweepResult:
 
         hf_logging.disable_progress_bar()
 
-        files["loss_curves_png"] = plot_loss_curves(
-            curves_path, keys, args.variants, args.tasks, out / "loss_curves.png"
-        )
-        figure_cells = [cell for cell in cells if cell.grid_point == point]
+        labels = list(dict.fromkeys(cell.label for cell in cells))
+        files["loss_curves_png"] = plot_loss_curves(curves_path, keys, labels, args.tasks, out / "loss_curves.png")
+        figure_cells = [
+            cell for cell in cells if cell.grid_point == point and cell.position_type == args.position_types[0]
+        ]
         missing = [cell for cell in figure_cells if not (out / "models" / model_dir_name(cell)).exists()]
         if missing:
             names = ", ".join(f"{c.task} {c.variant}" for c in missing[:4]) + (" ..." if len(missing) > 4 else "")
@@ -447,7 +475,7 @@ def run_sweep(args: SweepArgs) -> SweepResult:
             figure_cells,
             out / "models",
             model_dir_name,
-            args.variants,
+            list(dict.fromkeys(cell.label for cell in figure_cells)),
             args.tasks,
             args.map_layer,
             out / "attention_maps.png",
@@ -458,18 +486,40 @@ def run_sweep(args: SweepArgs) -> SweepResult:
 def model_dir_name(cell: Cell) -> str:
     """The directory name of a cell's saved model (the variant through `slug`, e.g. ``copy_Q-K_eq_V_e64_...``)."""
     grid = f"e{cell.embedding_size}_l{cell.layers}_h{cell.heads}_t{cell.length}_s{cell.seed}"
-    return f"{cell.task}_{slug(cell.variant)}_{grid}"
+    position = "" if cell.position_type == "learned" else f"_{cell.position_type}"
+    return f"{cell.task}_{slug(cell.variant)}{position}_{grid}"
+
+
+def upgrade_results(csv_path: Path) -> None:
+    """Add the `position_type` column ("learned") to a results.csv written before it existed, so rows appended
+    now line up with the header."""
+    if not csv_path.exists():
+        return
+    with csv_path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or "position_type" in reader.fieldnames:
+            return
+        rows = list(reader)
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows({name: row.get(name, "learned") for name in CSV_FIELDS} for row in rows)
 
 
 def _record(writer, csv_file, curves_file, key: str, row: dict, losses: list[float]) -> None:
     writer.writerow(row)
     csv_file.flush()
-    curves_file.write(json.dumps({"key": key, "variant": row["variant"], "task": row["task"], "losses": losses}) + "\n")
+    label = row["variant"] if row["position_type"] == "learned" else f"{row['variant']} [{row['position_type']}]"
+    curves_file.write(json.dumps({"key": key, "variant": label, "task": row["task"], "losses": losses}) + "\n")
     curves_file.flush()
 
 
-def results_table(rows: list[dict], variants: list[str], tasks: list[str]) -> str:
-    """Markdown table in the paper's layout: mean ± std token accuracy (runs of the grid), paper's value alongside."""
+def results_table(
+    rows: list[dict], variants: list[str], tasks: list[str], position_types: list[str] | None = None
+) -> str:
+    """Markdown table in the paper's layout: mean ± std token accuracy (runs of the grid), paper's value alongside
+    (learned positions only: the paper's). One row per variant and position type; rows without a `position_type`
+    (older CSVs) count as learned."""
     header = "| variant | " + " | ".join(t.upper() for t in tasks) + " | avg | paper avg |"
     lines = [
         "Token accuracy, mean ± std over the runs of this grid; in brackets the paper's mean over its full grid.",
@@ -477,25 +527,33 @@ def results_table(rows: list[dict], variants: list[str], tasks: list[str]) -> st
         header,
         "|" + "---|" * (len(tasks) + 3),
     ]
-    for variant in variants:
-        cells, means = [], []
-        for task in tasks:
-            values = [float(r["token_accuracy"]) for r in rows if r["variant"] == variant and r["task"] == task]
-            paper = PAPER_TABLE.get(variant, {}).get(task)
-            paper_text = f" ({paper:.3f})" if paper is not None else ""
-            if values:
-                mean = sum(values) / len(values)
-                std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-                cells.append(f"{mean:.3f} ± {std:.3f}{paper_text}")
-                means.append(mean)
-            else:
-                cells.append(f"-{paper_text}")
-        avg = f"{sum(means) / len(means):.3f}" if len(means) == len(tasks) and means else "-"
-        paper_values = [PAPER_TABLE.get(variant, {}).get(t) for t in tasks]
-        paper_avg = f"{sum(paper_values) / len(paper_values):.3f}" if all(v is not None for v in paper_values) else "-"
-        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {avg} | {paper_avg} |")
-    counts = {(r["variant"], r["task"]) for r in rows}
-    lines += ["", f"{len(rows)} runs ({len(counts)} variant x task combinations)."]
+    for position_type in position_types or ["learned"]:
+        learned = position_type == "learned"
+        for variant in variants:
+            cells, means = [], []
+            mine = [
+                r for r in rows if r["variant"] == variant and (r.get("position_type") or "learned") == position_type
+            ]
+            for task in tasks:
+                values = [float(r["token_accuracy"]) for r in mine if r["task"] == task]
+                paper = PAPER_TABLE.get(variant, {}).get(task) if learned else None
+                paper_text = f" ({paper:.3f})" if paper is not None else ""
+                if values:
+                    mean = sum(values) / len(values)
+                    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+                    cells.append(f"{mean:.3f} ± {std:.3f}{paper_text}")
+                    means.append(mean)
+                else:
+                    cells.append(f"-{paper_text}")
+            avg = f"{sum(means) / len(means):.3f}" if len(means) == len(tasks) and means else "-"
+            paper_values = [PAPER_TABLE.get(variant, {}).get(t) if learned else None for t in tasks]
+            paper_avg = (
+                f"{sum(paper_values) / len(paper_values):.3f}" if all(v is not None for v in paper_values) else "-"
+            )
+            label = variant if learned else f"{variant} [{position_type}]"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {avg} | {paper_avg} |")
+    counts = {(r["variant"], r.get("position_type") or "learned", r["task"]) for r in rows}
+    lines += ["", f"{len(rows)} runs ({len(counts)} variant x position x task combinations)."]
     return "\n".join(lines)
 
 
@@ -512,7 +570,7 @@ def parse_args(argv: list[str] | None) -> SweepArgs:
         flag = f"--{f.name}"
         if f.name == "plots":
             parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
-        elif f.name == "variants" or f.name == "tasks":
+        elif f.name in ("variants", "tasks", "position_types"):
             parser.add_argument(flag, nargs="+", default=default, help=f"{help_} (default: {' '.join(default)})")
         elif f.name in GRIDS["default"]:
             parser.add_argument(flag, nargs="+", type=int, default=None, help=help_)
