@@ -34,7 +34,7 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
       is well posed. With the post-RoPE tie U = R(t) X W_k depends on the position t, and no position-free M can
       undo the rotation; the fit still runs (on the rotated features) but reconstructs worse. So `calibrated`
       sets `kv_tie_point="pre_rope"` unless you pass `kv_tie_point` yourself; `key` and `value` keep the
-      config default (`post_rope`). The per-layer errors of both are recorded and compared in the README.
+      config default (`post_rope`). Each conversion records its errors (`conversion.json`).
 
 Q=K ("qk" Q=K-V, "qkv" Q=K=V; needs as many key/value heads as query heads): `--query_method`
     `key` (default: keep W_k, so the cached keys are the source's) or `query` (keep W_q). A symmetric score can
