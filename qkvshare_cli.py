@@ -90,6 +90,11 @@ COMMANDS: dict[str, Command] = {
         "per-layer similarity and effective rank of Q, K, V weights",
         parse="qkvshare.analysis.weights:parse_args",
     ),
+    "convert": Command(
+        "qkvshare.convert:main",
+        "convert a Llama-architecture checkpoint (directory or .gguf) to a sharing variant",
+        parse="qkvshare.convert:parse_args",
+    ),
 }
 
 

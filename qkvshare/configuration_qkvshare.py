@@ -45,6 +45,9 @@ LINEAR_ATTENTION_FEATURE_MAPS = ("elu_plus_one", "relu")
 # Per-layer attention types (`layer_types`), transformers' names: all tokens, or the last `sliding_window` ones.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# `model_type`s whose checkpoints are this library's Llama style with sharing off (`QKVShareConfig.from_llama`).
+LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
 # Paper name of each projection-sharing mode (Table 1 of the paper).
 PAPER_NAMES = {"none": "QKV", "qk": "Q=K-V", "kv": "Q-K=V", "qkv": "Q=K=V"}
 _MODE_BY_PAPER_NAME = {name: mode for mode, name in PAPER_NAMES.items()} | {"QV": "kv"}
@@ -683,6 +686,76 @@ class QKVShareConfig(PreTrainedConfig):
         return cls(**fields)
 
     @classmethod
+    def from_llama(cls, config_or_dict: Any, variant: str | None = None, **overrides: Any) -> "QKVShareConfig":
+        """The Llama-style QKVShare config with the shape of a Llama-architecture config (`LLAMA_ARCHITECTURES`).
+
+        `config_or_dict` is a `LlamaConfig` / `MistralConfig` / `Qwen2Config` (any object with `to_dict()`) or a
+        ``config.json`` dict. Copied: vocabulary, widths, layers, heads, head_dim, positions, norm epsilon, RoPE
+        (theta and scaling), biases (Qwen2's q/k/v biases become ``attention_bias=True``; its missing ``o_proj`` bias
+        is then a zero bias), activation, tied embeddings, token ids. With ``variant=None`` the result is the
+        source's own attention (QKV, or GQA with its key/value heads), so the source's weights load unchanged.
+
+        ``variant`` takes the paper's names (see `parse_variant`). A name without a head count (``QKV``, ``Q=K-V``,
+        ``Q-K=V``, ``Q=K=V``, "+" forms) keeps the source's key/value heads: ``Q-K=V`` of a GQA-3 model is
+        Q-GQA-3. ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>``, ``Q-MQA`` set g. Overrides win over both and are checked
+        like `from_preset`'s (a misspelt field names the closest one).
+
+        A sliding attention window shorter than the positions (Mistral v0.1, Qwen2 with ``use_sliding_window``)
+        has no QKVShare field: ``max_position_embeddings`` is lowered to the window, below which the two attend
+        identically, with a warning. Raises `ValueError` for another ``model_type`` (naming the supported ones).
+        """
+        d = config_or_dict.to_dict() if hasattr(config_or_dict, "to_dict") else dict(config_or_dict)
+        model_type = d.get("model_type")
+        if model_type not in LLAMA_ARCHITECTURES:
+            raise ValueError(
+                f"model_type={model_type!r} is not a Llama-architecture model; QKVShareConfig.from_llama supports "
+                f"{', '.join(map(repr, LLAMA_ARCHITECTURES))} (same attention, RMSNorm, SwiGLU and RoPE)."
+            )
+        cls.check_field_names(overrides, "QKVShareConfig.from_llama")
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters")
+        if not rope:  # config.json of transformers < 5: rope_theta and rope_scaling
+            rope = dict(d.get("rope_scaling") or {}, rope_theta=d.get("rope_theta", 10000.0))
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        fields = dict(
+            ARCHITECTURE_STYLES["llama"],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim"),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            norm_eps=d.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_dropout=d.get("attention_dropout", 0.0),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            hidden_act=d.get("hidden_act", "silu"),
+            initializer_range=d.get("initializer_range", 0.02),
+            rope_parameters=rope,
+        )
+        for key in _TOKEN_ID_FIELDS:
+            if key in d:
+                fields[key] = d[key]
+        window = d.get("sliding_window") if model_type != "qwen2" or d.get("use_sliding_window") else None
+        if window and window < fields["max_position_embeddings"]:
+            logger.warning(
+                f"{model_type} sliding_window={window} is shorter than max_position_embeddings="
+                f"{fields['max_position_embeddings']}: QKVShare has no sliding window, so max_position_embeddings is "
+                f"set to {window} (up to that length both attend to the same keys)."
+            )
+            fields["max_position_embeddings"] = window
+        if variant is not None:
+            parsed = parse_variant(variant, heads)
+            if "QA" not in variant.upper():  # no head count in the name: keep the source's key/value heads
+                parsed.pop("num_key_value_heads")
+            fields.update(parsed)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
     def check_field_names(cls, names: Iterable[str], source: str) -> None:
         """Raise a ValueError naming each of `names` that is not a config field, with the closest valid name.
 
@@ -728,6 +801,7 @@ __all__ = [
     "AUTO_MODEL_CLASSES",
     "PRESETS",
     "VARIANTS",
+    "LLAMA_ARCHITECTURES",
     "PAPER_NAMES",
     "parse_variant",
     "variant_name",

@@ -6,8 +6,8 @@ Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
   variant is the base with only the sharing fields replaced (`projection_sharing`, `num_key_value_heads`,
   `attention_map_pe_dim`, `key_context_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
-- Llama-architecture config.json files (model_type llama/mistral) map onto the Llama-style QKVShare fields, so
-  the tools accept any such checkpoint directory.
+- Llama-architecture config.json files (model_type llama/mistral/qwen2) map onto the Llama-style QKVShare fields
+  (`QKVShareConfig.from_llama`), so the tools accept any such checkpoint directory.
 - Light at import time (standard library and `qkvshare.overrides` only): the commands' `parse_args` import it
   without torch or transformers (see `qkvshare_cli`). The functions that build configs import the core library's
   configuration module when called.
@@ -63,36 +63,9 @@ def check_nonempty(args: Any, flags: Iterable[str]) -> None:
             raise ValueError(f"--{flag} is empty; give at least one value or leave the flag out.")
 
 
-def config_from_llama_dict(d: dict[str, Any]) -> QKVShareConfig:
-    """A Llama-style QKVShare config with the shape of a Llama/Mistral ``config.json`` (plain QKV or GQA)."""
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
-    rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
-    fields = dict(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"],
-        num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-        head_dim=d.get("head_dim"),
-        max_position_embeddings=d.get("max_position_embeddings", 2048),
-        norm_eps=d.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)),
-        hidden_act=d.get("hidden_act", "silu"),
-        rope_parameters=rope,
-        norm_type="rmsnorm",
-        mlp_type="gated",
-        position_embedding_type="rope",
-    )
-    return QKVShareConfig(**fields)
-
-
 def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
     """The config of a QKVShare or Llama-architecture model directory (a clear error for a missing or damaged one)."""
-    from qkvshare.configuration_qkvshare import QKVShareConfig
+    from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, QKVShareConfig
     from qkvshare.evaluation.common import read_config_json
 
     d = read_config_json(model_dir)
@@ -100,11 +73,11 @@ def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
     if model_type == "qkvshare":
         fields = model_fields()
         return QKVShareConfig(**{k: v for k, v in d.items() if k in fields})
-    if model_type in ("llama", "mistral"):
-        return config_from_llama_dict(d)
+    if model_type in LLAMA_ARCHITECTURES:
+        return QKVShareConfig.from_llama(d)
     raise ValueError(
         f"{model_dir!s}: model_type={model_type!r} is not supported; expected 'qkvshare' or a Llama-architecture "
-        "model ('llama', 'mistral')."
+        f"model ({', '.join(map(repr, LLAMA_ARCHITECTURES))})."
     )
 
 

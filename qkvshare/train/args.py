@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -69,6 +70,13 @@ class ModelArguments:
     tokenizer_name: str | None = field(
         default=None,
         metadata={"help": "HF tokenizer name or path; default: train a byte-level BPE on the training data"},
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "continue from a QKVShare model directory (e.g. from `qkvshare convert`): its config, weights and "
+            "tokenizer; --preset, --variant and --config_overrides do not apply"
+        },
     )
     tokenizer_vocab_size: int | None = field(
         default=None,
@@ -331,6 +339,33 @@ def check_args(args: Arguments) -> None:
     if t.push_to_hub and not t.hub_model_id:
         raise TrainingSetupError("--push_to_hub needs --hub_model_id (e.g. your-name/qkvshare-small).")
     parse_config_overrides(args.model.config_overrides)
+    if args.model.init_from is not None:
+        check_init_from(args.model)
+
+
+def check_init_from(m: ModelArguments) -> None:
+    """--init_from names a QKVShare model directory, and no flag that would build another model is given."""
+    for flag in ("variant", "config_overrides"):
+        if getattr(m, flag) is not None:
+            raise TrainingSetupError(
+                f"--{flag} cannot be combined with --init_from {m.init_from!r}: the model is the directory's as saved. "
+                "Convert to another variant with `qkvshare convert`, or drop --init_from to train from scratch."
+            )
+    config_file = Path(m.init_from).expanduser() / "config.json"
+    if not config_file.is_file():
+        raise TrainingSetupError(
+            f"--init_from {m.init_from!r} is not a model directory (no config.json there); pass a directory written "
+            "by `qkvshare convert` or `qkvshare train`."
+        )
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise TrainingSetupError(f"--init_from {m.init_from!r}: config.json does not parse ({err}).") from None
+    if model_type != "qkvshare":
+        raise TrainingSetupError(
+            f"--init_from {m.init_from!r} holds a model_type={model_type!r} model, not a QKVShare one; convert it "
+            f"first: qkvshare convert {m.init_from} --variant QKV --output_dir DIR (or any other variant)."
+        )
 
 
 def _check_numbers(args: Arguments) -> None:

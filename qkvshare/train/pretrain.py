@@ -292,7 +292,10 @@ def build_model_config(args: Arguments) -> tuple[QKVShareConfig, dict[str, Any],
     """The model config from --preset/--variant/--config_overrides, its overrides, and the block size."""
     m, d = args.model, args.data
     overrides = parse_config_overrides(m.config_overrides)
-    config = build_config(m.preset, m.variant, overrides)
+    if m.init_from is not None:  # the directory's config as saved (check_args refused --variant/--config_overrides)
+        config = QKVShareConfig.from_pretrained(m.init_from)
+    else:
+        config = build_config(m.preset, m.variant, overrides)
     block_size = d.block_size or min(1024, config.max_position_embeddings)
     if block_size > config.max_position_embeddings:
         raise TrainingSetupError(
@@ -310,10 +313,42 @@ def load_or_train_tokenizer(
     m = args.model
     if resume_path is not None:
         return load_tokenizer(str(resume_path))
+    if m.init_from is not None:
+        return init_from_tokenizer(m.init_from, m.tokenizer_name, config)
     if m.tokenizer_name:
         return load_tokenizer(m.tokenizer_name)
     vocab = m.tokenizer_vocab_size or config.vocab_size
     return on_main(accelerator, lambda: train_bpe_tokenizer(corpus.train, vocab, config.max_position_embeddings))
+
+
+def init_from_tokenizer(init_from: str, tokenizer_name: str | None, config: QKVShareConfig) -> Any:
+    """--init_from's own tokenizer, or --tokenizer_name when it is the same vocabulary; either must fit the model.
+
+    A tokenizer is the other half of a pretrained model: ids from another vocabulary would read rows of the
+    embedding learned for other tokens, so a mismatch is refused rather than trained through.
+    """
+    own = Path(init_from) / "tokenizer_config.json"
+    has_own = own.is_file() or (Path(init_from) / "tokenizer.json").is_file()
+    if not has_own and not tokenizer_name:
+        raise TrainingSetupError(
+            f"--init_from {init_from!r} holds no tokenizer; pass --tokenizer_name with the tokenizer its weights were "
+            "trained with (`qkvshare convert` saves the source's)."
+        )
+    tokenizer = load_tokenizer(tokenizer_name or init_from)
+    if has_own and tokenizer_name:
+        if tokenizer.get_vocab() != load_tokenizer(init_from).get_vocab():
+            raise TrainingSetupError(
+                f"--tokenizer_name {tokenizer_name!r} does not match the vocabulary of --init_from {init_from!r} (its "
+                "own tokenizer); leave --tokenizer_name out to use the directory's tokenizer."
+            )
+    if len(tokenizer) > config.vocab_size:
+        name = tokenizer_name or init_from
+        raise TrainingSetupError(
+            f"the tokenizer {name!r} has {len(tokenizer)} tokens but the model of --init_from {init_from!r} has "
+            f"vocab_size={config.vocab_size}: the tokenizer does not match the model's vocabulary. Use the tokenizer "
+            "the model was trained with (leave --tokenizer_name out)."
+        )
+    return tokenizer
 
 
 def prepare_data(
@@ -370,12 +405,18 @@ def prepare_data(
 
 
 def build_model(args: Arguments, config: QKVShareConfig) -> QKVShareForCausalLM:
-    """A freshly initialised model (seeded), with the requested attention backend and checkpointing."""
+    """A freshly initialised model (seeded), or --init_from's weights, with the requested attention backend and
+    checkpointing."""
     from transformers import set_seed
 
     m, t = args.model, args.train
     set_seed(t.seed)
-    if m.attn_implementation:
+    if (
+        m.init_from is not None
+    ):  # float32 master weights whatever the directory's dtype (mixed precision is accelerate's)
+        backend = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+        model = QKVShareForCausalLM.from_pretrained(m.init_from, config=config, dtype=torch.float32, **backend)
+    elif m.attn_implementation:
         model = QKVShareForCausalLM._from_config(config, attn_implementation=m.attn_implementation)
     else:
         model = QKVShareForCausalLM(config)
@@ -426,7 +467,8 @@ def setup(args: Arguments) -> Run:
         rank, world = accelerator.process_index, accelerator.num_processes
         corpus = load_corpus(d, rank=rank, world_size=world, seed=t.seed)
         tokenizer = load_or_train_tokenizer(accelerator, args, config, corpus, resume_path)
-        fit_vocab(config, len(tokenizer), padded_vocab_size(tokenizer), "vocab_size" in overrides)
+        if m.init_from is None:  # a pretrained model keeps its vocabulary (init_from_tokenizer checked the fit)
+            fit_vocab(config, len(tokenizer), padded_vocab_size(tokenizer), "vocab_size" in overrides)
         config.eos_token_id = tokenizer.eos_token_id
         config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
