@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qkvshare.analysis import bench_decode
 from qkvshare.analysis.common import (
     PRESET_HELP,
     base_config,
@@ -74,6 +75,16 @@ CORE_SETTINGS = dict(
     batch_sizes=[4],
     repeats=5,
     output_dir="outputs/bench-core",
+)
+# `--decode`: the decode table's settings (see `qkvshare.analysis.bench_decode`), under any flag given.
+DECODE_SETTINGS = dict(
+    context_lens=[1024, 4096, 16384],
+    batch_sizes=[1, 8],
+    new_tokens=8,
+    repeats=3,
+    max_repeats=6,
+    warmup=0,
+    output_dir="outputs/bench-decode",
 )
 
 
@@ -165,16 +176,24 @@ def build_candidates(setup: Setup, attn_implementation: str, seed: int) -> list[
         ]
         if twins:  # same computation: copy the weights and check the logits agree
             twin = twins[0]
-            llama.load_state_dict(twin.model.state_dict(), strict=True)
-            ids = torch.randint(0, base.vocab_size, (1, 16), device=device)
-            with torch.inference_mode():
-                diff = (llama(ids).logits.float() - twin.model(ids).logits.float()).abs().max().item()
-            twin.weights_copied, twin.parity_max_abs_diff = True, diff
+            twin.weights_copied = True
+            twin.parity_max_abs_diff = copy_twin_weights(llama, twin.model, base.vocab_size, device)
         for c in cands:
             if c.kv_heads == kv:
                 c.reference = ref.name
         cands.append(ref)
     return cands
+
+
+def copy_twin_weights(llama, twin, vocab_size: int, device) -> float:
+    """Load the weights of ``twin`` (QKVShare, nothing shared, Llama-style) into ``llama``; return the max |logit
+    difference| of the two on 16 random tokens (0 up to float rounding: the same computation)."""
+    import torch
+
+    llama.load_state_dict(twin.state_dict(), strict=True)
+    ids = torch.randint(0, vocab_size, (1, 16), device=device)
+    with torch.inference_mode():
+        return (llama(ids).logits.float() - twin(ids).logits.float()).abs().max().item()
 
 
 def cache_nbytes(cache) -> int:
@@ -629,6 +648,13 @@ def plots(report: dict[str, Any], output_dir: Path) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvshare bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--core", action="store_true", help="the core benchmark's settings (see above); flags given win")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="the decode table instead: ms/token and cache bytes per cache kind against Llama, and the peak RSS "
+        "of a whole generate() (method: python -m pydoc qkvshare.analysis.bench_decode); flags given win over its "
+        "settings (contexts 1024 4096 16384, batches 1 8, 8 new tokens, 3-6 rounds)",
+    )
     p.add_argument("--preset", default=None, help=f"{PRESET_HELP}; default {DEFAULT_PRESET}")
     p.add_argument("--model_dir", help="take the shape from a QKVShare or Llama model directory's config.json")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
@@ -646,6 +672,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new_tokens", type=int, default=16, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (interleaved across models)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed ones")
+    p.add_argument(
+        "--decode_models",
+        nargs="+",
+        default=list(bench_decode.DEFAULT_MODELS),
+        help="--decode rows: Llama (the shape's LlamaForCausalLM), none and Q-K=V (at the shape's kv heads), or "
+        "paper variant names",
+    )
+    p.add_argument(
+        "--decode_caches",
+        nargs="+",
+        choices=tuple(bench_decode.CACHE_KINDS),
+        default=list(bench_decode.CACHE_KINDS),
+        help="--decode cache kinds (untied models get the unquantized ones)",
+    )
+    p.add_argument(
+        "--max_repeats", type=int, default=None, help="--decode: rounds added up to this while a spread is above 5%%"
+    )
+    p.add_argument(
+        "--rss_context", type=int, default=16384, help="--decode: prompt length of the peak-RSS runs (0: none)"
+    )
+    p.add_argument("--rss_models", nargs="+", default=["Llama", "Q-K=V"], help="--decode: models of the RSS runs")
+    p.add_argument("--rss_timeout", type=float, default=1800.0, help="--decode: seconds allowed per RSS process")
     p.add_argument("--budget_mib", type=float, default=1024.0, help="KV-cache memory budget for the capacity table")
     p.add_argument("--capacity_context", type=int, default=None, help="context of 'largest batch' (default: longest)")
     p.add_argument("--train_batch_size", type=int, default=8, help="sequences per training step")
@@ -674,9 +722,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     `ValueError` names the bad option. `resolve_setup` checks the rest (override keys, variants, device).
     """
     parser = build_parser()
-    if "--core" in (sys.argv[1:] if argv is None else argv):
+    given = sys.argv[1:] if argv is None else argv
+    if "--core" in given:
         parser.set_defaults(**CORE_SETTINGS)
+    if "--decode" in given:
+        parser.set_defaults(**DECODE_SETTINGS)
     args = parser.parse_args(argv)
+    if args.core and args.decode:
+        raise ValueError("--core and --decode are two different benchmarks; give one of them.")
+    if (args.max_repeats is not None and args.max_repeats < 1) or args.rss_context < 0 or args.rss_timeout <= 0:
+        raise ValueError("--max_repeats must be >= 1, --rss_context >= 0 (0: no RSS runs) and --rss_timeout > 0.")
     check_nonempty(args, ("variants", "sections"))
     for flag in ("context_lens", "batch_sizes"):
         if not getattr(args, flag) or min(getattr(args, flag)) <= 0:
@@ -705,6 +760,16 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
     longest = max(args.context_lens + [args.train_seq_len]) + args.new_tokens
     if base.max_position_embeddings < longest:  # RoPE/none: only a config limit; learned: needs the rows
         base = with_fields(base, max_position_embeddings=longest)
+    if args.decode:
+        longest = max(longest, args.rss_context + args.new_tokens)
+        if base.max_position_embeddings < longest:
+            base = with_fields(base, max_position_embeddings=longest)
+        for name in args.decode_models:  # a ValueError naming a bad row before any model is built
+            if name != "Llama":
+                try:
+                    bench_decode.decode_variant_config(base, name)
+                except ValueError as err:
+                    raise ValueError(f"--decode_models {name!r}: {err}") from None
     variants = check_variants(base, args.variants or default_variants(base, plus=False))
     tie_points = list(dict.fromkeys(args.kv_tie_points or [base.kv_tie_point]))
 
@@ -854,6 +919,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.decode:
+        bench_decode.run(args, setup)
+        return 0
     cands = build_candidates(setup, args.attn_implementation, args.seed)
     report = measure(args, setup, cands)
     write_report(args, setup, report)
