@@ -32,6 +32,7 @@ from .configuration_qkvshare import (
 )
 from .modeling_qkvshare import (
     QKVShareForCausalLM,
+    QKVShareForImageClassification,
     QKVShareForSequenceClassification,
     QKVShareForTokenClassification,
     QKVShareModel,
@@ -83,6 +84,7 @@ __all__ = [
     "QKVShareForCausalLM",
     "QKVShareForSequenceClassification",
     "QKVShareForTokenClassification",
+    "QKVShareForImageClassification",
     "QKVShareCache",
     "QKVShareStaticCache",
     "TiedStaticLayer",

@@ -33,11 +33,8 @@ Design choices
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -46,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkvshare.analysis.conventions import HelpFormatter, slug
+from qkvshare.analysis.sweeps import mean_std, pending, read_results, run_cells
 
 from .tasks import NUM_SYMBOLS, TASKS, make_dataset
 
@@ -353,14 +351,6 @@ def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
     return cell.key, row, losses
 
 
-def read_results(path: Path) -> list[dict]:
-    """Rows of a results CSV (empty list if the file does not exist)."""
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
 @dataclass
 class SweepResult:
     """What `run_sweep` did: keys trained now, keys skipped (already in the CSV), and where the outputs are."""
@@ -384,39 +374,16 @@ def run_sweep(args: SweepArgs) -> SweepResult:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
-    done = {row["key"] for row in read_results(csv_path)}
-    todo = [cell for cell in cells if cell.key not in done]
-    skipped = [cell.key for cell in cells if cell.key in done]
+    todo, skipped = pending(cells, csv_path)
     point = figure_point(args)
 
     def save_dir(cell: Cell) -> str | None:
         return str(out / "models" / model_dir_name(cell)) if cell.grid_point == point else None
 
-    from tqdm.auto import tqdm
-
-    trained = []
     jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
-    new_file = not csv_path.exists()
-    with csv_path.open("a", newline="") as csv_file, curves_path.open("a") as curves_file:
-        writer = csv.DictWriter(csv_file, fieldnames=CSV_FIELDS)
-        if new_file:
-            writer.writeheader()
-        bar = tqdm(total=len(jobs), desc="synthetic cells", unit="cell", disable=not jobs)
-        if args.workers > 1 and len(jobs) > 1:
-            context = multiprocessing.get_context("spawn")
-            with context.Pool(min(args.workers, len(jobs))) as pool:
-                results = pool.imap_unordered(_worker, jobs)
-                for key, row, losses in results:
-                    _record(writer, csv_file, curves_file, key, row, losses)
-                    trained.append(key)
-                    bar.update(1)
-        else:
-            for job in jobs:
-                key, row, losses = _worker(job)
-                _record(writer, csv_file, curves_file, key, row, losses)
-                trained.append(key)
-                bar.update(1)
-        bar.close()
+    trained = run_cells(
+        jobs, _worker, csv_path, curves_path, CSV_FIELDS, ("variant", "task"), args.workers, "synthetic cells"
+    )
 
     keys = {cell.key for cell in cells}
     rows = [row for row in read_results(csv_path) if row["key"] in keys]
@@ -461,13 +428,6 @@ def model_dir_name(cell: Cell) -> str:
     return f"{cell.task}_{slug(cell.variant)}_{grid}"
 
 
-def _record(writer, csv_file, curves_file, key: str, row: dict, losses: list[float]) -> None:
-    writer.writerow(row)
-    csv_file.flush()
-    curves_file.write(json.dumps({"key": key, "variant": row["variant"], "task": row["task"], "losses": losses}) + "\n")
-    curves_file.flush()
-
-
 def results_table(rows: list[dict], variants: list[str], tasks: list[str]) -> str:
     """Markdown table in the paper's layout: mean ± std token accuracy (runs of the grid), paper's value alongside."""
     header = "| variant | " + " | ".join(t.upper() for t in tasks) + " | avg | paper avg |"
@@ -484,8 +444,7 @@ def results_table(rows: list[dict], variants: list[str], tasks: list[str]) -> st
             paper = PAPER_TABLE.get(variant, {}).get(task)
             paper_text = f" ({paper:.3f})" if paper is not None else ""
             if values:
-                mean = sum(values) / len(values)
-                std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+                mean, std = mean_std(values)
                 cells.append(f"{mean:.3f} ± {std:.3f}{paper_text}")
                 means.append(mean)
             else:
