@@ -461,7 +461,11 @@ def run_vision(args: VisionArgs) -> VisionResult:
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
     if args.plots:
+        from transformers.utils import logging as hf_logging
+
         from .plots import plot_accuracy, plot_attention_maps
+
+        hf_logging.disable_progress_bar()  # one bar for the run, not one per model loaded for the maps
 
         files["accuracy_png"] = plot_accuracy(rows, args.variants, args.task, out / "accuracy.png")
         if args.task == "classify":
