@@ -68,6 +68,12 @@ COMMANDS: dict[str, Command] = {
         "the paper's synthetic encoder tasks, table and attention maps",
         parse="qkvshare.synthetic.sweep:parse_args",
     ),
+    "vision": Command(
+        "qkvshare.vision.run:main",
+        "ViT variants on images (digits by default) and the set anomaly task",
+        extras=("vision",),
+        parse="qkvshare.vision.run:parse_args",
+    ),
     "costs": Command(
         "qkvshare.analysis.costs:main",
         "parameters, MACs and KV-cache bytes of every variant (analytic)",

@@ -38,6 +38,7 @@ from .configuration_qkvshare import (
 )
 from .modeling_qkvshare import (
     QKVShareForCausalLM,
+    QKVShareForImageClassification,
     QKVShareForSequenceClassification,
     QKVShareForTokenClassification,
     QKVShareModel,
@@ -89,6 +90,7 @@ __all__ = [
     "QKVShareForCausalLM",
     "QKVShareForSequenceClassification",
     "QKVShareForTokenClassification",
+    "QKVShareForImageClassification",
     "QKVShareCache",
     "QKVShareStaticCache",
     "TiedStaticLayer",

@@ -34,6 +34,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "eval": {"lm_eval": "lm-eval", "datasets": "datasets"},
     "plots": {"matplotlib": "matplotlib"},
     "wandb": {"wandb": "wandb"},
+    "vision": {"sklearn": "scikit-learn", "PIL": "pillow", "datasets": "datasets"},
     # The quanto backend of `QKVShareQuantizedCache`; transformers imports `optimum.quanto` when the cache is built.
     "quantized": {"optimum": "optimum-quanto"},
 }

@@ -47,6 +47,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # `model_type`s whose checkpoints are this library's Llama style with sharing off (`QKVShareConfig.from_llama`).
 LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2")
+IMAGE_POOLINGS = ("cls", "mean")
+PATCH_POSITION_EMBEDDING_TYPES = ("learned", "sincos2d")
 
 # Paper name of each projection-sharing mode (Table 1 of the paper).
 PAPER_NAMES = {"none": "QKV", "qk": "Q=K-V", "kv": "Q-K=V", "qkv": "Q=K=V"}
@@ -73,6 +75,8 @@ QV_KA_CONTEXT_MULTIPLES = {"QV-KA": 1, "QV-KA-2": 2}
 
 # m of the "+" variants when a preset does not set it: the paper uses m=10 for synthetic and set tasks.
 DEFAULT_ATTENTION_MAP_PE_DIM = 10
+# ... and presets whose "+" variants use another m: the paper's ViT uses m=50 (section 4.2).
+PRESET_ATTENTION_MAP_PE_DIMS = {"vit-paper": 50, "vit-small": 50}
 
 # The model class of each Auto class, in modeling_qkvshare.py. `__init__` registers them, and a checkpoint's
 # `auto_map` lists them all, so `trust_remote_code=True` loads any head where the package is not installed.
@@ -81,6 +85,7 @@ AUTO_MODEL_CLASSES = {
     "AutoModelForCausalLM": "QKVShareForCausalLM",
     "AutoModelForSequenceClassification": "QKVShareForSequenceClassification",
     "AutoModelForTokenClassification": "QKVShareForTokenClassification",
+    "AutoModelForImageClassification": "QKVShareForImageClassification",
 }
 
 # Keywords that are not dataclass fields but that `__post_init__` (ours or transformers') consumes: Llama's names
@@ -190,6 +195,15 @@ _PAPER_LM = dict(
 )
 _GPT2_STYLE = ARCHITECTURE_STYLES["gpt2"] | _PAPER_LM
 _LLAMA_STYLE = ARCHITECTURE_STYLES["llama"] | _PAPER_LM
+_VIT_STYLE = ARCHITECTURE_STYLES["gpt2"] | dict(
+    hidden_act="gelu",
+    norm_eps=1e-12,
+    position_embedding_type="none",
+    is_causal=False,
+    vocab_size=1,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 PRESETS: dict[str, dict[str, Any]] = {
     # A few thousand parameters: tests and CPU smoke runs.
     "tiny": dict(
@@ -226,6 +240,33 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "llama-1.2b": dict(
         _LLAMA_STYLE, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32
+    ),
+    # The paper's ViT (section 4.2; ViT-Base/16 shapes, transformers' ViTConfig defaults: exact GELU, LayerNorm eps
+    # 1e-12): positions are the patch embeddings' own (`patch_position_embedding_type`), none in the block stack.
+    # No token vocabulary: `QKVShareForImageClassification` builds no token embedding (vocab_size is unused).
+    "vit-paper": dict(
+        _VIT_STYLE,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=16,
+        num_channels=3,
+        num_labels=1000,
+    ),
+    # About 100k parameters: scikit-learn's 8x8 digits on a CPU (`qkvshare vision`). RGB input, as transformers'
+    # image-classification pipeline converts every image to RGB (grey digits included).
+    "vit-small": dict(
+        _VIT_STYLE,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=8,
+        patch_size=2,
+        num_channels=3,
+        num_labels=10,
     ),
 }
 
@@ -352,6 +393,15 @@ class QKVShareConfig(PreTrainedConfig):
         layer_types (`list[str]`, *optional*): one of `"full_attention"`, `"sliding_attention"` per layer (as in
             Gemma/Qwen2); None: every layer slides when `sliding_window` is set, none otherwise.
 
+    Image fields (`QKVShareForImageClassification`, ViTConfig's names; `num_labels` as for every head):
+        image_size (`int`, defaults to 224), patch_size (`int`, defaults to 16), num_channels (`int`, defaults
+            to 3): square images cut into a (image_size / patch_size)^2 grid of patches by a strided conv.
+        pooling (`str`, defaults to `"cls"`): `"cls"` classifies a learned class token (ViT); `"mean"` the mean of
+            the patch tokens (no class token is built).
+        patch_position_embedding_type (`str`, defaults to `"learned"`): `"learned"` (ViT's learned 1D table) or
+            `"sincos2d"` (fixed 2D sin-cos of the patch row and column, no parameters, any grid size).
+        The block stack's `position_embedding_type` still applies on top (the vit-* presets set `"none"`).
+
     The remaining fields follow `LlamaConfig`. Use `QKVShareConfig.from_preset(name, variant, **overrides)`.
     Every bad value raises a `ValueError` naming the field, the value and what is allowed.
     """
@@ -396,6 +446,11 @@ class QKVShareConfig(PreTrainedConfig):
     linear_attention_normalize: bool = True
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    pooling: str = "cls"
+    patch_position_embedding_type: str = "learned"
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -433,6 +488,8 @@ class QKVShareConfig(PreTrainedConfig):
         _choice("attention_map_pe_init", self.attention_map_pe_init, ATTENTION_MAP_PE_INITS)
         _choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _choice("linear_attention_feature_map", self.linear_attention_feature_map, LINEAR_ATTENTION_FEATURE_MAPS)
+        _choice("pooling", self.pooling, IMAGE_POOLINGS)
+        _choice("patch_position_embedding_type", self.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
         _choice("hidden_act", self.hidden_act, tuple(ACT2FN))  # transformers' activations, as the MLPs look them up
         sizes = (
             "vocab_size",
@@ -443,6 +500,9 @@ class QKVShareConfig(PreTrainedConfig):
             "num_key_value_heads",
             "head_dim",
             "max_position_embeddings",
+            "image_size",
+            "patch_size",
+            "num_channels",
         )
         for name in sizes:
             if getattr(self, name) <= 0:
@@ -506,6 +566,11 @@ class QKVShareConfig(PreTrainedConfig):
                     f"shared context, which does not combine with {'; '.join(problems)}. Set key_context_dim=0 for "
                     "the other variants."
                 )
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}: the patch grid must "
+                "tile the image; choose a patch size that divides the image size."
+            )
         if self.attention_kernel == "linear":
             if any(self.layer_sharing(i) != "qkv" for i in range(self.num_hidden_layers)):
                 raise ValueError(
@@ -655,8 +720,10 @@ class QKVShareConfig(PreTrainedConfig):
         """Build a config from a named preset, an optional paper variant and field overrides.
 
         Presets: ``tiny`` (tests), ``small`` (CPU pretraining), ``paper-300m``, ``paper-1.2b`` (the paper's
-        GPT-2-style models, exact parameter counts), ``llama-300m``, ``llama-1.2b``. ``variant`` takes the paper's
-        names (see `parse_variant`); explicit overrides win over both.
+        GPT-2-style models, exact parameter counts), ``llama-300m``, ``llama-1.2b``, ``vit-paper`` (the paper's ViT,
+        ViT-Base/16 shapes) and ``vit-small`` (8x8 grey digits, CPU). ``variant`` takes the paper's
+        names (see `parse_variant`); explicit overrides win over both. Its "+" variants take m =
+        `PRESET_ATTENTION_MAP_PE_DIMS` of the preset (50 for the vit-* presets, as the paper's ViT) or 10.
 
         Unlike a plain ``QKVShareConfig(...)``, an override that is not a config field (a typo such as
         ``projection_shareing``) is a ValueError naming the closest field (see `check_field_names`).
@@ -680,6 +747,8 @@ class QKVShareConfig(PreTrainedConfig):
             for optional in ("attention_map_pe_dim", "key_context_dim"):  # 0: keep the preset's (or override's)
                 if not parsed[optional]:
                     parsed.pop(optional)
+            if parsed.get("attention_map_pe_dim"):  # the preset's m for "+" (10 for synthetic/sets, 50 for its ViT)
+                parsed["attention_map_pe_dim"] = PRESET_ATTENTION_MAP_PE_DIMS.get(name, DEFAULT_ATTENTION_MAP_PE_DIM)
             fields.update(parsed)
         fields.update(overrides)
         _fit_token_ids(name, fields, given=overrides.keys())
@@ -803,6 +872,8 @@ __all__ = [
     "VARIANTS",
     "LLAMA_ARCHITECTURES",
     "PAPER_NAMES",
+    "IMAGE_POOLINGS",
+    "PATCH_POSITION_EMBEDDING_TYPES",
     "parse_variant",
     "variant_name",
 ]

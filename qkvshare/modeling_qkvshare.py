@@ -51,7 +51,7 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
     GradientCheckpointingLayer,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, ImageClassifierOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -395,6 +395,11 @@ class QKVSharePreTrainedModel(PreTrainedModel):
             # N(0, initializer_range) init of the projections feeding it.
             init.normal_(module.weight, mean=0.0, std=module.weight.shape[1] ** -0.5)
             return
+        if isinstance(module, QKVShareImageEmbeddings):  # its own parameters; its conv gets the Linear/Conv init
+            for parameter in (module.cls_token, module.position_embeddings):
+                if parameter is not None:
+                    init.trunc_normal_(parameter, mean=0.0, std=self.config.initializer_range)
+            return
         if not isinstance(module, AttentionMapPE):
             super()._init_weights(module)
             return
@@ -409,13 +414,19 @@ class QKVSharePreTrainedModel(PreTrainedModel):
 
 
 class QKVShareModel(QKVSharePreTrainedModel):
-    """The decoder (or encoder, with `is_causal=False`) stack without a head."""
+    """The decoder (or encoder, with `is_causal=False`) stack without a head.
 
-    def __init__(self, config: QKVShareConfig):
+    `add_token_embeddings=False` builds no token embedding (like ViTModel's `add_pooling_layer`): the stack then
+    takes only `inputs_embeds` (the image model feeds it patch embeddings).
+    """
+
+    def __init__(self, config: QKVShareConfig, add_token_embeddings: bool = True):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx) if add_token_embeddings else None
+        )
         if config.position_embedding_type == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -651,6 +662,12 @@ class QKVShareModel(QKVSharePreTrainedModel):
         self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
 
         if inputs_embeds is None:
+            if self.embed_tokens is None:
+                raise ValueError(
+                    "input_ids: this stack was built without token embeddings (add_token_embeddings=False, e.g. "
+                    "inside QKVShareForImageClassification); pass inputs_embeds of shape (batch, sequence, "
+                    f"{self.config.hidden_size}) instead."
+                )
             inputs_embeds = self.embed_tokens(input_ids)
 
         if use_cache and cache is None:
@@ -813,6 +830,142 @@ class QKVShareForTokenClassification(GenericForTokenClassification, QKVSharePreT
     """Per-token classification head; with `is_causal=False` a bidirectional encoder (the synthetic tasks)."""
 
 
+def patch_sincos_2d(grid_height: int, grid_width: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Fixed 2D sin-cos position embedding of a patch grid, (grid_height * grid_width, dim), row-major order.
+
+    The first dim//2 channels encode the patch row, the others its column (the `sinusoid` of each axis), as in
+    MAE (He et al. 2022) and "Better plain ViT baselines" (Beyer et al. 2022).
+    """
+    rows = torch.arange(grid_height, device=device).repeat_interleave(grid_width)  # (N,) 0,0,..,1,1,..
+    cols = torch.arange(grid_width, device=device).repeat(grid_height)  # (N,) 0,1,..,0,1,..
+    return torch.cat((sinusoid(rows, dim // 2), sinusoid(cols, dim - dim // 2)), dim=-1)
+
+
+class QKVShareImageEmbeddings(nn.Module):
+    """ViT's input (Dosovitskiy et al. 2021): patches through a conv with kernel = stride = patch size, a class
+    token in front (`pooling="cls"`), plus position embeddings (learned 1D table or fixed 2D sin-cos).
+
+    The class token takes no 2D position (a zero, as in MAE); the learned table has one row for it, as ViT's.
+    """
+
+    def __init__(self, config: QKVShareConfig):
+        super().__init__()
+        self.config = config
+        self.patch_size, self.image_size = config.patch_size, config.image_size
+        self.projection = nn.Conv2d(
+            config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size)) if config.pooling == "cls" else None
+        num_patches = (config.image_size // config.patch_size) ** 2
+        num_positions = num_patches + (self.cls_token is not None)
+        learned = config.patch_position_embedding_type == "learned"
+        self.position_embeddings = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size)) if learned else None
+
+    def check_pixel_values(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool) -> None:
+        """Refuse pixel_values the model cannot embed, with a ValueError naming the shape and the fix."""
+        config, shape = self.config, tuple(pixel_values.shape)
+        if len(shape) != 4 or shape[1] != config.num_channels:
+            raise ValueError(
+                f"pixel_values must have shape (batch, num_channels={config.num_channels}, height, width), got "
+                f"{shape}; an image processor (e.g. ViTImageProcessor) saved with the model prepares them."
+            )
+        height, width = shape[2:]
+        if height % self.patch_size or width % self.patch_size or 0 in shape:
+            raise ValueError(
+                f"pixel_values of shape {shape}: height and width must be positive multiples of patch_size="
+                f"{self.patch_size}; resize the images (image_size={self.image_size})."
+            )
+        fixed = self.position_embeddings is not None and not interpolate_pos_encoding
+        if fixed and (height, width) != (self.image_size, self.image_size):
+            raise ValueError(
+                f"pixel_values are {height}x{width} but the learned position table is for image_size="
+                f"{self.image_size}; resize the images, or pass interpolate_pos_encoding=True."
+            )
+
+    def positions(self, grid_height: int, grid_width: int, device: torch.device) -> torch.Tensor:
+        """(1, tokens, hidden) position embeddings for a grid_height x grid_width patch grid."""
+        hidden, cls = self.config.hidden_size, self.cls_token is not None
+        if self.position_embeddings is None:  # fixed 2D sin-cos: any grid
+            patches = patch_sincos_2d(grid_height, grid_width, hidden, device)[None]
+            return torch.cat((patches.new_zeros(1, 1, hidden), patches), dim=1) if cls else patches
+        table = self.position_embeddings
+        side = self.image_size // self.patch_size
+        if (grid_height, grid_width) == (side, side):
+            return table
+        # interpolate_pos_encoding: the learned grid resized bicubically, as ViTEmbeddings does (from DINO)
+        head, grid = table[:, : int(cls)], table[:, int(cls) :]
+        grid = grid.reshape(1, side, side, hidden).permute(0, 3, 1, 2)  # (1, hidden, side, side)
+        grid = nn.functional.interpolate(grid, size=(grid_height, grid_width), mode="bicubic", align_corners=False)
+        return torch.cat((head, grid.permute(0, 2, 3, 1).reshape(1, -1, hidden)), dim=1)
+
+    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
+        """(B, C, H, W) -> (B, tokens, hidden): [cls] + one token per patch, row-major, with positions added."""
+        self.check_pixel_values(pixel_values, interpolate_pos_encoding)
+        patches = self.projection(pixel_values.to(self.projection.weight.dtype))  # (B, hidden, H/p, W/p)
+        grid_height, grid_width = patches.shape[-2:]
+        embeddings = patches.flatten(2).transpose(1, 2)  # (B, N, hidden)
+        if self.cls_token is not None:
+            embeddings = torch.cat((self.cls_token.expand(len(embeddings), -1, -1), embeddings), dim=1)
+        return embeddings + self.positions(grid_height, grid_width, embeddings.device).to(embeddings.dtype)
+
+
+class QKVShareForImageClassification(QKVSharePreTrainedModel):
+    """A ViT whose blocks are `QKVShareModel`'s (every projection- and head-sharing mode, and "+"), for
+    `AutoModelForImageClassification`, `pipeline("image-classification")` and `Trainer`.
+
+    Takes `pixel_values` (B, num_channels, H, W) and `labels` like `ViTForImageClassification`; the loss is
+    transformers' (cross-entropy for single-label classification). Needs `is_causal=False`: a causal stack would
+    let the class token, first in the sequence, see only itself. With the block stack's sharing off, learned
+    positions and `position_embedding_type="none"`, it computes exactly ViTForImageClassification (tested).
+    """
+
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+
+    def __init__(self, config: QKVShareConfig):
+        super().__init__(config)
+        if config.is_causal:
+            raise ValueError(
+                "is_causal=True: QKVShareForImageClassification is a bidirectional encoder (a causal stack would let "
+                "the class token see only itself); build the config with is_causal=False (the vit-* presets do)."
+            )
+        self.num_labels = config.num_labels
+        self.embeddings = QKVShareImageEmbeddings(config)
+        self.model = QKVShareModel(config, add_token_embeddings=False)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embeddings.projection
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> ImageClassifierOutput:
+        r"""Classify images. `labels` (B,) give transformers' classification loss (cross-entropy for integer labels).
+
+        `interpolate_pos_encoding=True` resizes a learned position table to another image size (the 2D sin-cos
+        embedding takes any size multiple of the patch). Bad pixel_values raise a ValueError before any work.
+        """
+        if pixel_values is None:
+            raise ValueError("pixel_values is required: (batch, num_channels, height, width) images.")
+        embeddings = self.embeddings(pixel_values, interpolate_pos_encoding=bool(interpolate_pos_encoding))
+        outputs: BaseModelOutputWithPast = self.model(inputs_embeds=embeddings, use_cache=False, **kwargs)
+        sequence_output = outputs.last_hidden_state  # (B, tokens, hidden)
+        pooled = sequence_output[:, 0] if self.config.pooling == "cls" else sequence_output.mean(dim=1)
+        logits = self.classifier(pooled)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels, logits, self.config, **kwargs)
+        return ImageClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
 __all__ = [
     "QKVShareAttention",
     "QKVShareDecoderLayer",
@@ -821,4 +974,5 @@ __all__ = [
     "QKVShareForCausalLM",
     "QKVShareForSequenceClassification",
     "QKVShareForTokenClassification",
+    "QKVShareForImageClassification",
 ]

@@ -1,4 +1,8 @@
-"""Shared test setup: deterministic, quiet, CPU, few threads (the CI machine has 2 cores)."""
+"""Shared test setup: deterministic, quiet, CPU, few threads (the CI machine has 2 cores).
+
+The README's test command runs the suite on 2 pytest-xdist workers: most of its time is subprocesses importing
+torch and transformers and tiny single-threaded models, so two workers of one thread each use both cores.
+"""
 
 import os
 
@@ -11,7 +15,8 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread per xdist worker (two workers share two cores); two threads when run serially.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -50,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkvshare.analysis.conventions import HelpFormatter, slug
+from qkvshare.analysis.sweeps import mean_std, pending, read_results, run_cells
 
 from .tasks import NUM_SYMBOLS, TASKS, make_dataset
 
@@ -378,14 +377,6 @@ def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
     return cell.key, row, losses
 
 
-def read_results(path: Path) -> list[dict]:
-    """Rows of a results CSV (empty list if the file does not exist)."""
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
 @dataclass
 class SweepResult:
     """What `run_sweep` did: keys trained now, keys skipped (already in the CSV), and where the outputs are."""
@@ -409,41 +400,16 @@ def run_sweep(args: SweepArgs) -> SweepResult:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
-    done = {row["key"] for row in read_results(csv_path)}
-    todo = [cell for cell in cells if cell.key not in done]
-    skipped = [cell.key for cell in cells if cell.key in done]
+    todo, skipped = pending(cells, csv_path)
     point = figure_point(args)
 
     def save_dir(cell: Cell) -> str | None:
         in_figure = cell.grid_point == point and cell.position_type == args.position_types[0]
         return str(out / "models" / model_dir_name(cell)) if in_figure else None
 
-    from tqdm.auto import tqdm
-
-    trained = []
     jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
     upgrade_results(csv_path)
-    new_file = not csv_path.exists()
-    with csv_path.open("a", newline="") as csv_file, curves_path.open("a") as curves_file:
-        writer = csv.DictWriter(csv_file, fieldnames=CSV_FIELDS)
-        if new_file:
-            writer.writeheader()
-        bar = tqdm(total=len(jobs), desc="synthetic cells", unit="cell", disable=not jobs)
-        if args.workers > 1 and len(jobs) > 1:
-            context = multiprocessing.get_context("spawn")
-            with context.Pool(min(args.workers, len(jobs))) as pool:
-                results = pool.imap_unordered(_worker, jobs)
-                for key, row, losses in results:
-                    _record(writer, csv_file, curves_file, key, row, losses)
-                    trained.append(key)
-                    bar.update(1)
-        else:
-            for job in jobs:
-                key, row, losses = _worker(job)
-                _record(writer, csv_file, curves_file, key, row, losses)
-                trained.append(key)
-                bar.update(1)
-        bar.close()
+    trained = run_cells(jobs, _worker, csv_path, curves_path, CSV_FIELDS, curve_labels, args.workers, "synthetic cells")
 
     keys = {cell.key for cell in cells}
     rows = [row for row in read_results(csv_path) if row["key"] in keys]
@@ -506,12 +472,10 @@ def upgrade_results(csv_path: Path) -> None:
         writer.writerows({name: row.get(name, "learned") for name in CSV_FIELDS} for row in rows)
 
 
-def _record(writer, csv_file, curves_file, key: str, row: dict, losses: list[float]) -> None:
-    writer.writerow(row)
-    csv_file.flush()
+def curve_labels(row: dict) -> dict:
+    """The curve of a cell in curves.jsonl: its variant (with the position type when not learned) and task."""
     label = row["variant"] if row["position_type"] == "learned" else f"{row['variant']} [{row['position_type']}]"
-    curves_file.write(json.dumps({"key": key, "variant": label, "task": row["task"], "losses": losses}) + "\n")
-    curves_file.flush()
+    return {"variant": label, "task": row["task"]}
 
 
 def results_table(
@@ -539,8 +503,7 @@ def results_table(
                 paper = PAPER_TABLE.get(variant, {}).get(task) if learned else None
                 paper_text = f" ({paper:.3f})" if paper is not None else ""
                 if values:
-                    mean = sum(values) / len(values)
-                    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+                    mean, std = mean_std(values)
                     cells.append(f"{mean:.3f} ± {std:.3f}{paper_text}")
                     means.append(mean)
                 else:

@@ -1,0 +1,565 @@
+"""`qkvshare vision`: train and evaluate attention variants x seeds on images (the paper's section 4.2).
+
+Two tasks (`--task`):
+- ``classify`` (default): `QKVShareForImageClassification` (a ViT from `QKVShareModel`'s blocks, bidirectional,
+  class token, learned positions; "+" with m=50 as the paper's ViT) trained from scratch; metric: test accuracy.
+- ``sets``: the paper's set anomaly task (`qkvshare.vision.sets`): 10 frozen-feature items, 9 of one class and 1
+  of another, point at the odd one (no positions; "+" with m=10 as the paper's set task); metric: set accuracy.
+
+One run ("cell") = (task, variant, seed) with the data, model shape and recipe as part of its key. Outputs in
+`--output_dir`: `results.csv` (one row per finished cell, appended at once: a rerun skips the cells already
+there, so a run is resumable and extensible), `loss_curves.jsonl`, `table.md` (mean ± std per variant, next to
+the paper's numbers), `accuracy.png` (per variant, every seed) and for ``classify`` `attention_maps.png` (the class
+token's attention over the patches of a few test images, last layer, mean over heads, one column per variant,
+from the models of the first seed, saved under `models/` with their `ViTImageProcessor`). The data are
+preprocessed once into `data/*.safetensors` (read by every cell and worker).
+
+Design choices
+- Default data: scikit-learn's bundled digits (offline; 1,437 train / 360 test 8x8 images, a fixed split), the
+  `vit-small` preset (d 64, 2 layers, 4 heads, patch 2: 16 patches + class token) and a recipe sized for a few
+  minutes on 2 CPU cores: AdamW (lr 1e-3, weight decay 0.05), batch 64, 5% warmup then cosine to 0 (the one
+  schedule of `qkvshare.train.schedule`), grad clip 1. The paper gives the ViT's shape (224 px, patch 16, d 768,
+  12 layers, 12 heads: preset `vit-paper`) but no recipe for its small datasets in our sources.
+- The paper's table: our sources give only the average over its five datasets (all six variants .767-.772) and the
+  set task's "+" variants (.954-.966); the table prints them under ours.
+- Cells are independent and run in `--workers` spawned processes (`qkvshare.analysis.sweeps`, shared with
+  `qkvshare synthetic`); a cell's seed fixes its initialization and its data order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qkvshare.analysis.conventions import HelpFormatter, slug
+from qkvshare.analysis.sweeps import mean_std, pending, read_results, run_cells
+
+if TYPE_CHECKING:
+    import torch
+
+TASKS = ("classify", "sets")
+PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
+# The paper's variants and the head-sharing ones (4 heads: GQA-2, MQA and their K=V forms).
+DEFAULT_VARIANTS = (*PAPER_VARIANTS, "GQA-2", "MQA", "Q-GQA-2", "Q-MQA")
+# What our sources give of the paper's vision numbers (PAPER.md, "Vision and sets"; section 4.2).
+PAPER_NOTES = {
+    "classify": "Paper (section 4.2; ViT-B/16-sized, from scratch): on MNIST, FashionMNIST, CIFAR-10/100 and Tiny "
+    "ImageNet all six paper variants land within about 1 point (average accuracy .767-.772); per-variant, "
+    "per-dataset numbers are not in our sources.",
+    "sets": 'Paper (appendix A.3.2; CIFAR-100, frozen ImageNet ResNet34 features): the "+" variants are best '
+    "(set accuracy .954-.966); the other variants' numbers are not in our sources.",
+}
+PRESET = "vit-small"
+SET_ATTENTION_MAP_PE_DIM = 10  # m of "+" on the set task (the paper: 10 for synthetic and set tasks)
+
+CSV_FIELDS = [
+    "key",
+    "task",
+    "variant",
+    "seed",
+    "dataset",
+    "train_size",
+    "test_size",
+    "hidden_size",
+    "layers",
+    "heads",
+    "epochs",
+    "accuracy",
+    "final_train_loss",
+    "steps",
+    "num_parameters",
+    "train_seconds",
+    "cpu_seconds",
+]
+
+
+@dataclass
+class VisionArgs:
+    """Arguments of `qkvshare vision` (each is also a command-line flag)."""
+
+    output_dir: str = field(default="outputs/vision", metadata={"help": "where results.csv, table.md, PNGs go"})
+    task: str = field(default="classify", metadata={"help": "classify (images) or sets (the set anomaly task)"})
+    dataset: str = field(
+        default="digits",
+        metadata={
+            "help": "digits (scikit-learn's, offline), a Hugging Face dataset name (mnist, cifar10, ...), a "
+            "save_to_disk directory, or imagefolder with --data_dir"
+        },
+    )
+    data_dir: str | None = field(default=None, metadata={"help": "the folder of --dataset imagefolder"})
+    image_column: str | None = field(default=None, metadata={"help": "image column (default: detected)"})
+    label_column: str | None = field(default=None, metadata={"help": "label column (default: detected)"})
+    image_size: int | None = field(default=None, metadata={"help": "resize images to this side (default: native)"})
+    patch_size: int | None = field(
+        default=None, metadata={"help": "ViT patch side (default: the smallest >= 2 giving at most 8x8 patches)"}
+    )
+    max_train: int | None = field(default=None, metadata={"help": "use at most this many training images"})
+    max_test: int | None = field(default=None, metadata={"help": "use at most this many test images"})
+    variants: list[str] = field(
+        default_factory=lambda: list(DEFAULT_VARIANTS), metadata={"help": 'paper names, e.g. QKV "(Q=K=V)+"'}
+    )
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "one run per seed and variant"})
+    hidden_size: int = field(default=64, metadata={"help": "model width"})
+    layers: int = field(default=2, metadata={"help": "encoder blocks"})
+    heads: int = field(default=4, metadata={"help": "attention heads"})
+    pooling: str = field(default="cls", metadata={"help": "classify: cls (class token) or mean (patch mean)"})
+    patch_position_embedding_type: str = field(
+        default="learned", metadata={"help": "classify: learned (1D table) or sincos2d (fixed 2D)"}
+    )
+    backbone: str = field(
+        default="pixels",
+        metadata={"help": "sets: frozen feature extractor, pixels (fixed random projection) or an AutoModel name"},
+    )
+    feature_dim: int = field(default=64, metadata={"help": "sets: size of the pixels' random projection"})
+    epochs: int = field(default=20, metadata={"help": "passes over the training images (sets: each image once odd)"})
+    batch_size: int = field(default=64, metadata={"help": "images (or sets) per step"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate"})
+    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay"})
+    warmup_fraction: float = field(default=0.05, metadata={"help": "linear warmup share of the steps, then cosine"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
+    workers: int = field(default=2, metadata={"help": "parallel processes, one cell each"})
+    threads: int = field(default=1, metadata={"help": "torch threads per worker"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "training backend: sdpa or eager"})
+    map_images: int = field(default=4, metadata={"help": "classify: test images in attention_maps.png"})
+    plots: bool = field(default=True, metadata={"help": "write the PNGs (needs matplotlib)"})
+
+    def data_id(self) -> str:
+        """What the prepared data depend on (part of every cell's key)."""
+        parts = [self.dataset if self.dataset != "imagefolder" else f"imagefolder:{self.data_dir}"]
+        parts += [f"columns:{self.image_column},{self.label_column}"] if self.image_column or self.label_column else []
+        parts += [f"px{self.image_size}" if self.image_size else "native"]
+        parts += [f"n{self.max_train}/{self.max_test}"] if self.max_train or self.max_test else []
+        parts += [f"{self.backbone}-f{self.feature_dim}" if self.backbone == "pixels" else self.backbone]
+        return "|".join(parts[:-1] if self.task == "classify" else parts)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One training run: the task, variant and seed, and everything else that decides its result."""
+
+    task: str
+    variant: str
+    seed: int
+    data_id: str
+    data_path: str
+    patch_size: int | None
+    hidden_size: int
+    layers: int
+    heads: int
+    pooling: str
+    patch_position_embedding_type: str
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    warmup_fraction: float
+    grad_clip: float
+    attn_implementation: str
+
+    @property
+    def key(self) -> str:
+        model = f"e{self.hidden_size}|l{self.layers}|h{self.heads}"
+        if self.task == "classify":
+            model += f"|p{self.patch_size}|{self.pooling}|{self.patch_position_embedding_type}"
+        recipe = (
+            f"ep{self.epochs}|b{self.batch_size}|lr{self.lr:g}|wd{self.weight_decay:g}|w{self.warmup_fraction:g}"
+            f"|c{self.grad_clip:g}"
+        )
+        return f"{self.task}|{self.variant}|s{self.seed}|{self.data_id}|{model}|{recipe}"
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"--{flag} {value!r} is not supported; choose one of {', '.join(allowed)}.")
+
+
+def validate(args: VisionArgs) -> None:
+    """Check every argument before any data is loaded or trained (a ValueError naming the bad one).
+
+    `check_args` (light: what `parse_args` answers without torch), then the checks that need the config module.
+    """
+    from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, parse_variant
+
+    check_args(args)
+    _choice("pooling", args.pooling, IMAGE_POOLINGS)
+    _choice("patch_position_embedding_type", args.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
+    for variant in args.variants:
+        parse_variant(variant, args.heads)  # a ValueError naming the variant
+
+
+def check_args(args: VisionArgs) -> None:
+    """The checks of `validate` that need only the standard library."""
+    _choice("task", args.task, TASKS)
+    _choice("attn_implementation", args.attn_implementation, ("sdpa", "eager"))
+    if not args.variants or not args.seeds:
+        raise ValueError("--variants and --seeds need at least one value each.")
+    positive = ("hidden_size", "layers", "heads", "feature_dim", "epochs", "batch_size", "workers", "threads")
+    for name in positive + ("image_size", "patch_size", "max_train", "max_test"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} {value} must be a positive integer.")
+    if args.hidden_size % args.heads:
+        raise ValueError(f"--hidden_size {args.hidden_size} is not divisible by --heads {args.heads}.")
+    if args.image_size and args.patch_size and args.image_size % args.patch_size:
+        raise ValueError(f"--image_size {args.image_size} is not a multiple of --patch_size {args.patch_size}.")
+    if not 0 <= args.warmup_fraction < 1 or args.lr <= 0 or args.grad_clip <= 0 or args.weight_decay < 0:
+        raise ValueError("need 0 <= --warmup_fraction < 1, --lr > 0, --grad_clip > 0 and --weight_decay >= 0.")
+    if args.dataset == "imagefolder" and not (args.data_dir and Path(args.data_dir).is_dir()):
+        raise ValueError(f"--dataset imagefolder needs --data_dir, an existing folder; got {args.data_dir!r}.")
+    if args.data_dir and args.dataset != "imagefolder":
+        raise ValueError("--data_dir is the folder of --dataset imagefolder; pass --dataset imagefolder with it.")
+    if args.task == "classify" and args.backbone != "pixels":
+        raise ValueError("--backbone is the frozen feature extractor of --task sets; classify trains from pixels.")
+
+
+# ----- data: prepared once per data id, read by every cell -----
+def prepare_data(args: VisionArgs, out: Path) -> tuple[str, int | None]:
+    """Write the task's tensors to `out/data/<data id>.safetensors` unless there; returns (path, patch size)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "data" / f"{slug(args.data_id())}.safetensors"
+    if path.exists():
+        tensors = load_file(str(path))
+        image_size = tensors["train_x"].shape[-1] if args.task == "classify" else None
+    else:
+        import torch
+
+        from .data import load_images
+        from .sets import TEST_SETS_SEED, extract_features, make_sets
+
+        splits = load_images(
+            args.dataset, args.data_dir, args.image_column, args.label_column, args.max_train, args.max_test
+        )
+        image_size = args.image_size or splits.native_size
+        if args.task == "classify":
+            tensors = splits.pixel_values(image_size)
+        else:
+            test_sets, test_odd = make_sets(splits.test_y, torch.Generator().manual_seed(TEST_SETS_SEED))
+            make_sets(splits.train_y, torch.Generator())  # checks the training classes before features are made
+            tensors = {
+                "train_x": extract_features(splits.train_images, args.backbone, image_size, args.feature_dim),
+                "train_y": splits.train_y,
+                "test_x": extract_features(splits.test_images, args.backbone, image_size, args.feature_dim),
+                "test_y": splits.test_y,
+                "test_sets": test_sets,
+                "test_odd": test_odd,
+            }
+        tensors["num_labels"] = torch.tensor(len(splits.class_names))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
+    if args.task == "sets":
+        return str(path), None
+    from .data import default_patch_size
+
+    patch = args.patch_size or default_patch_size(image_size)
+    if image_size % patch:
+        raise ValueError(f"--patch_size {patch} does not divide the images' side {image_size}; choose a divisor.")
+    return str(path), patch
+
+
+def make_cells(args: VisionArgs, data_path: str, patch_size: int | None) -> list[Cell]:
+    recipe = {name: getattr(args, name) for name in Cell.__dataclass_fields__ if hasattr(args, name)}
+    recipe |= dict(data_id=args.data_id(), data_path=data_path, patch_size=patch_size)
+    return [Cell(**(recipe | dict(variant=variant, seed=seed))) for seed in args.seeds for variant in args.variants]
+
+
+# ----- models -----
+def build_config(cell: Cell, num_labels: int, image_size: int | None = None, attn_implementation: str | None = None):
+    """The config of a cell: `vit-small` resized (classify), or the same blocks without positions (sets)."""
+    from qkvshare import QKVShareConfig
+    from qkvshare.configuration_qkvshare import parse_variant
+
+    shape = dict(
+        hidden_size=cell.hidden_size,
+        intermediate_size=4 * cell.hidden_size,
+        num_hidden_layers=cell.layers,
+        num_attention_heads=cell.heads,
+        attn_implementation=attn_implementation or cell.attn_implementation,
+    )
+    if cell.task == "classify":
+        image = dict(image_size=image_size, patch_size=cell.patch_size, num_channels=3, num_labels=num_labels)
+        image |= dict(pooling=cell.pooling, patch_position_embedding_type=cell.patch_position_embedding_type)
+        return QKVShareConfig.from_preset(PRESET, cell.variant, **shape, **image)
+    if parse_variant(cell.variant, cell.heads)["attention_map_pe_dim"]:  # "+": the set task's m
+        shape["attention_map_pe_dim"] = SET_ATTENTION_MAP_PE_DIM
+    return QKVShareConfig.from_preset(PRESET, cell.variant, **shape)
+
+
+def build_model(cell: Cell, data: dict[str, torch.Tensor]):
+    """A fresh model for a cell (seeded by the caller)."""
+    num_labels = int(data["num_labels"])
+    if cell.task == "classify":
+        from qkvshare import QKVShareForImageClassification
+
+        return QKVShareForImageClassification(build_config(cell, num_labels, data["train_x"].shape[-1]))
+    from .sets import SetAnomalyModel
+
+    return SetAnomalyModel(build_config(cell, num_labels), data["train_x"].shape[-1])
+
+
+# ----- one cell -----
+def batches(cell: Cell, data: dict[str, torch.Tensor], generator: torch.Generator):
+    """Training batches (inputs, labels) of one epoch: shuffled images, or freshly drawn sets."""
+    import torch
+
+    from .sets import make_sets
+
+    if cell.task == "classify":
+        order = torch.randperm(len(data["train_y"]), generator=generator)
+        for begin in range(0, len(order), cell.batch_size):
+            index = order[begin : begin + cell.batch_size]
+            yield data["train_x"][index], data["train_y"][index]
+        return
+    sets, odd = make_sets(data["train_y"], generator)
+    order = torch.randperm(len(sets), generator=generator)
+    for begin in range(0, len(order), cell.batch_size):
+        index = order[begin : begin + cell.batch_size]
+        yield data["train_x"][sets[index]], odd[index]
+
+
+def loss_and_logits(cell: Cell, model, inputs: torch.Tensor, labels: torch.Tensor | None = None):
+    if cell.task == "classify":
+        out = model(pixel_values=inputs, labels=labels)
+        return out.loss, out.logits
+    logits, loss = model(inputs, labels)
+    return loss, logits
+
+
+def evaluate(cell: Cell, model, data: dict[str, torch.Tensor]) -> float:
+    """Test accuracy: images classified right, or sets whose odd item gets the highest logit."""
+    import torch
+
+    if cell.task == "classify":
+        inputs, labels = data["test_x"], data["test_y"]
+    else:
+        inputs, labels = data["test_x"][data["test_sets"]], data["test_odd"]
+    model.eval()
+    with torch.no_grad():
+        correct = sum(
+            int((loss_and_logits(cell, model, inputs[i : i + 256])[1].argmax(-1) == labels[i : i + 256]).sum())
+            for i in range(0, len(labels), 256)
+        )
+    return correct / len(labels)
+
+
+def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
+    """Train and evaluate one cell; returns its CSV row and its per-step training losses."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qkvshare.train import schedule
+
+    data = load_file(cell.data_path)
+    torch.manual_seed(cell.seed)
+    model = build_model(cell, data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, weight_decay=cell.weight_decay)
+    total = cell.epochs * math.ceil(len(data["train_y"]) / cell.batch_size)
+    warmup = schedule.warmup_steps_for_fraction(cell.warmup_fraction, total)
+    generator = torch.Generator().manual_seed(cell.seed)
+    losses: list[float] = []
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model.train()
+    for _ in range(cell.epochs):
+        for inputs, labels in batches(cell, data, generator):
+            lr = schedule.get_lr(len(losses), peak_lr=cell.lr, warmup_steps=warmup, max_steps=total, min_lr_ratio=0.0)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = loss_and_logits(cell, model, inputs, labels)[0]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cell.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    accuracy = evaluate(cell, model, data)
+    if save_dir is not None and cell.task == "classify":
+        from .data import image_processor
+
+        model.save_pretrained(save_dir)  # safetensors
+        image_processor(data["train_x"].shape[-1]).save_pretrained(save_dir)
+    row = {
+        "key": cell.key,
+        "task": cell.task,
+        "variant": cell.variant,
+        "seed": cell.seed,
+        "dataset": cell.data_id,
+        "train_size": len(data["train_y"]),
+        "test_size": len(data["test_y"]),
+        "hidden_size": cell.hidden_size,
+        "layers": cell.layers,
+        "heads": cell.heads,
+        "epochs": cell.epochs,
+        "accuracy": round(accuracy, 5),
+        "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
+        "steps": total,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(train_seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),
+    }
+    return row, losses
+
+
+def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    cell, save_dir, threads = job
+    torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()
+    row, losses = train_cell(cell, save_dir)
+    return cell.key, row, losses
+
+
+# ----- the whole run -----
+def model_dir_name(cell: Cell) -> str:
+    return f"{cell.task}_{slug(cell.variant)}_s{cell.seed}"
+
+
+@dataclass
+class VisionResult:
+    """What `run_vision` did: keys trained now, keys skipped (already in the CSV), the table and the files."""
+
+    trained: list[str]
+    skipped: list[str]
+    rows: list[dict]
+    table: str
+    files: dict[str, str]
+
+
+def run_vision(args: VisionArgs) -> VisionResult:
+    """Train every cell not in `results.csv` yet, then write the table and figures from all rows of this run."""
+    validate(args)
+    if args.plots:
+        from qkvshare._extras import check_extra
+
+        check_extra("plots", "qkvshare vision's figures", hint="or pass --no_plots")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data_path, patch_size = prepare_data(args, out)
+    cells = make_cells(args, data_path, patch_size)
+    csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
+    todo, skipped = pending(cells, csv_path)
+    first_seed = args.seeds[0]
+
+    def save_dir(cell: Cell) -> str | None:
+        return str(out / "models" / model_dir_name(cell)) if cell.seed == first_seed else None
+
+    jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
+    trained = run_cells(
+        jobs, _worker, csv_path, curves_path, CSV_FIELDS, ("task", "variant"), args.workers, f"{args.task} cells"
+    )
+    keys = {cell.key for cell in cells}
+    rows = [row for row in read_results(csv_path) if row["key"] in keys]
+    table = results_table(rows, args)
+    (out / "table.md").write_text(table + "\n")
+    files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
+    if args.plots:
+        from transformers.utils import logging as hf_logging
+
+        from .plots import plot_accuracy, plot_attention_maps
+
+        hf_logging.disable_progress_bar()  # one bar for the run, not one per model loaded for the maps
+
+        files["accuracy_png"] = plot_accuracy(rows, args.variants, args.task, out / "accuracy.png")
+        if args.task == "classify":
+            figure_cells = [cell for cell in cells if cell.seed == first_seed]
+            maps = plot_attention_maps(
+                figure_cells, out / "models", model_dir_name, data_path, args.map_images, out / "attention_maps.png"
+            )
+            if maps:
+                files["attention_maps_png"] = maps
+    return VisionResult(trained=trained, skipped=skipped, rows=rows, table=table, files=files)
+
+
+def results_table(rows: list[dict], args: VisionArgs) -> str:
+    """Markdown: accuracy mean ± std over seeds per variant, with parameters, and the paper's numbers below."""
+    metric = "test accuracy" if args.task == "classify" else "set accuracy (odd item found)"
+    some = rows[0] if rows else {}
+    lines = [
+        f"{args.task} on {args.data_id()} ({some.get('train_size', '?')} train / {some.get('test_size', '?')} test "
+        f"{'images' if args.task == 'classify' else 'sets'}); {metric}, mean ± std over seeds.",
+        "",
+        "| variant | accuracy | seeds | parameters |",
+        "|---|---|---|---|",
+    ]
+    means = {}
+    for variant in args.variants:
+        mine = [r for r in rows if r["variant"] == variant]
+        if not mine:
+            lines.append(f"| {variant} | - | 0 | - |")
+            continue
+        mean, std = mean_std(float(r["accuracy"]) for r in mine)
+        means[variant] = mean
+        lines.append(f"| {variant} | {mean:.3f} ± {std:.3f} | {len(mine)} | {int(mine[0]['num_parameters']):,} |")
+    paper = [means[v] for v in PAPER_VARIANTS if v in means]
+    if len(paper) > 1:
+        lines += ["", f"Spread of the paper's variants here (max - min of the means): {max(paper) - min(paper):.3f}."]
+    lines += ["", PAPER_NOTES[args.task]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> VisionArgs:
+    """The command line as `VisionArgs` (one flag per field), checked by `check_args` (a ValueError if bad)."""
+    defaults = VisionArgs()
+    parser = argparse.ArgumentParser(
+        prog="qkvshare vision",
+        description="Train ViT variants on images (or the set anomaly task) over variants x seeds (resumable).",
+        formatter_class=HelpFormatter,
+    )
+    for f in dataclasses.fields(VisionArgs):
+        default, help_ = getattr(defaults, f.name), f.metadata["help"]
+        flag = f"--{f.name}"
+        if f.name == "plots":
+            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
+        elif f.name == "variants":
+            parser.add_argument(flag, nargs="+", default=default, help=f"{help_} (default: {' '.join(default)})")
+        elif f.name == "seeds":
+            parser.add_argument(flag, nargs="+", type=int, default=default, help=help_)
+        elif f.name in ("task", "pooling", "patch_position_embedding_type", "attn_implementation"):
+            parser.add_argument(flag, default=default, help=help_)
+        elif default is None:
+            kind = str if f.type == "str | None" else int
+            parser.add_argument(flag, type=kind, default=None, help=help_)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=help_)
+    args = VisionArgs(**vars(parser.parse_args(argv)))
+    check_args(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `qkvshare vision`."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        validate(args)
+    except ValueError as error:
+        print(f"qkvshare vision: error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.task}: {len(args.variants)} variants x {len(args.seeds)} seeds on {args.dataset}, "
+        f"{args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
+    )
+    start = time.perf_counter()
+    try:
+        result = run_vision(args)
+    except ValueError as error:  # bad data (columns, sizes, classes) found while preparing it, before training
+        print(f"qkvshare vision: error: {error}", file=sys.stderr)
+        return 2
+    print(result.table)
+    print(
+        f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
+        f"{time.perf_counter() - start:.0f} s wall"
+    )
+    for name, path in result.files.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+__all__ = ["VisionArgs", "Cell", "TASKS", "DEFAULT_VARIANTS", "PAPER_VARIANTS", "run_vision", "train_cell", "main"]
