@@ -90,6 +90,12 @@ COMMANDS: dict[str, Command] = {
         "per-layer similarity and effective rank of Q, K, V weights",
         parse="qkvshare.analysis.weights:parse_args",
     ),
+    "export": Command(
+        "qkvshare.export:main",
+        "write an ExecuTorch or ONNX program with the static tied cache inside",
+        extras=("export",),
+        parse="qkvshare.export_args:parse_args",
+    ),
 }
 
 

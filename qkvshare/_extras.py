@@ -34,6 +34,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "eval": {"lm_eval": "lm-eval", "datasets": "datasets"},
     "plots": {"matplotlib": "matplotlib"},
     "wandb": {"wandb": "wandb"},
+    "export": {"executorch": "executorch", "onnx": "onnx", "onnxscript": "onnxscript", "onnxruntime": "onnxruntime"},
 }
 
 

@@ -487,6 +487,98 @@ class QKVShareStaticCache(QKVShareCache):
         Cache.crop(self, tokens_to_remove)
 
 
+# ----- torch.export: the QKVShare caches as pytree nodes -----
+# torch.export takes only pytrees of tensors as inputs and outputs; a cache passed as `cache=` (or returned in the
+# output) must say how it splits into tensors and how it is rebuilt from them. The tensors are each layer's state
+# (None where a layer holds nothing: an empty layer, the `values` of a tied layer) and the positions buffer; the
+# context is everything else, fixed for a traced program: the layout, `max_cache_len` of a static cache and the
+# token count of linear-attention states. (transformers does the same for its DynamicCache in
+# transformers/integrations/executorch.py, `register_dynamic_cache_export_support`.)
+_LAYER_STATE: dict[type[CacheLayerMixin], tuple[str, ...]] = {
+    DynamicLayer: ("keys", "values"),
+    TiedKVLayer: ("keys", "values"),
+    StaticLayer: ("keys", "values", "cumulative_length"),
+    TiedStaticLayer: ("keys", "values", "cumulative_length"),
+    LinearAttentionStateLayer: ("state", "normalizer"),
+}
+
+
+def _flatten_cache(cache: QKVShareCache) -> tuple[list, tuple]:
+    for layer in cache.layers:
+        if type(layer) not in _LAYER_STATE:
+            raise TypeError(f"{type(cache).__name__}: cannot flatten a {type(layer).__name__} layer for torch.export.")
+    layers = [{name: getattr(layer, name) for name in _LAYER_STATE[type(layer)]} for layer in cache.layers]
+    seen = tuple(getattr(layer, "seen_tokens", 0) for layer in cache.layers)
+    return [layers, cache.positions], (cache.layout, getattr(cache, "max_cache_len", None), seen)
+
+
+def _flatten_cache_with_keys(cache: QKVShareCache) -> tuple[list, tuple]:
+    children, context = _flatten_cache(cache)
+    keys = (torch.utils._pytree.GetAttrKey("layers"), torch.utils._pytree.GetAttrKey("positions"))
+    return list(zip(keys, children)), context
+
+
+def _unflatten_cache(cls: type[QKVShareCache], children: list, context: tuple) -> QKVShareCache:
+    """The cache `_flatten_cache` split, rebuilt around the given tensors (no config needed: the layout says it all)."""
+    layout, max_cache_len, seen = context
+    layers_state, positions = children
+    cache = cls.__new__(cls)  # __init__ wants a config; set the same attributes it sets
+    cache.layout = layout
+    if max_cache_len is not None:
+        cache.max_cache_len = max_cache_len
+    Cache.__init__(cache, layers=[cache.new_layer(kind) for kind in layout.layer_kinds])
+    cache.positions = positions
+    for layer, state, seen_tokens in zip(cache.layers, layers_state, seen):
+        for name, tensor in state.items():
+            setattr(layer, name, tensor)
+        held = state.get("keys", state.get("state"))
+        if held is None:
+            continue
+        # What lazy_initialization records besides the tensors.
+        layer.device, layer.is_initialized = held.device, True
+        if isinstance(layer, StaticLayer):
+            layer.batch_size, layer.num_heads = held.shape[:2]
+            layer.k_head_dim = layer.v_head_dim = held.shape[-1]
+        if isinstance(layer, LinearAttentionStateLayer):
+            layer.seen_tokens = seen_tokens
+    return cache
+
+
+def _dumpable_context(context: tuple) -> str:
+    import dataclasses
+    import json
+
+    layout, max_cache_len, seen = context
+    return json.dumps({"layout": dataclasses.asdict(layout), "max_cache_len": max_cache_len, "seen_tokens": list(seen)})
+
+
+def _context_from_dump(dumped: str) -> tuple:
+    import json
+
+    data = json.loads(dumped)
+    layout = CacheLayout(**{**data["layout"], "layer_kinds": tuple(data["layout"]["layer_kinds"])})
+    return layout, data["max_cache_len"], tuple(data["seen_tokens"])
+
+
+def register_cache_pytree_nodes() -> None:
+    """Register `QKVShareCache` and `QKVShareStaticCache` with torch's pytree (done on import; idempotent), so
+    `torch.export` accepts them as inputs (`cache=`) and outputs, and `torch.export.save` can serialize the specs."""
+    for cls in (QKVShareCache, QKVShareStaticCache):
+        if cls in torch.utils._pytree.SUPPORTED_NODES:
+            continue
+        torch.utils._pytree.register_pytree_node(
+            cls,
+            _flatten_cache,
+            lambda children, context, cls=cls: _unflatten_cache(cls, children, context),
+            serialized_type_name=f"{cls.__module__}.{cls.__name__}",
+            flatten_with_keys_fn=_flatten_cache_with_keys,
+            to_dumpable_context=_dumpable_context,
+            from_dumpable_context=_context_from_dump,
+        )
+
+
+register_cache_pytree_nodes()
+
 __all__ = [
     "QKVShareCache",
     "QKVShareStaticCache",
