@@ -186,8 +186,14 @@ def executorch_step(pte: bytes | str | Path) -> Step:
     """Load an ExecuTorch program with executorch's runtime; its `forward` as a `Step`."""
     from executorch.runtime import Runtime
 
-    method = Runtime.get().load_program(pte if isinstance(pte, bytes) else Path(pte)).load_method("forward")
-    return lambda input_ids, cache_position: method.execute([input_ids, cache_position])[0]
+    # The Program owns the bytes the Method runs on: the step keeps it alive (a freed program crashes the Method).
+    program = Runtime.get().load_program(pte if isinstance(pte, bytes) else Path(pte))
+    method = program.load_method("forward")
+
+    def step(input_ids: torch.Tensor, cache_position: torch.Tensor, _program=program) -> torch.Tensor:
+        return method.execute([input_ids, cache_position])[0]
+
+    return step
 
 
 def to_onnx(step: FunctionalDecoderStep, path: str | Path, dynamic: bool = True) -> None:
