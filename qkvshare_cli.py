@@ -101,6 +101,12 @@ COMMANDS: dict[str, Command] = {
         "convert a Llama-architecture checkpoint (directory or .gguf) to a sharing variant",
         parse="qkvshare.convert:parse_args",
     ),
+    "export": Command(
+        "qkvshare.export:main",
+        "write an ExecuTorch or ONNX program with the static tied cache inside",
+        extras=("export",),
+        parse="qkvshare.export_args:parse_args",
+    ),
 }
 
 

@@ -37,6 +37,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "vision": {"sklearn": "scikit-learn", "PIL": "pillow", "datasets": "datasets"},
     # The quanto backend of `QKVShareQuantizedCache`; transformers imports `optimum.quanto` when the cache is built.
     "quantized": {"optimum": "optimum-quanto"},
+    "export": {"executorch": "executorch", "onnx": "onnx", "onnxscript": "onnxscript", "onnxruntime": "onnxruntime"},
 }
 
 

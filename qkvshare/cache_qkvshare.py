@@ -894,6 +894,119 @@ class QKVShareQuantizedCache(QKVShareCache):
         return TiedKVLayer()
 
 
+# ----- torch.export: the QKVShare caches as pytree nodes -----
+# torch.export takes only pytrees of tensors as inputs and outputs; a cache passed as `cache=` (or returned in the
+# output) must say how it splits into tensors and how it is rebuilt from them. The tensors are each layer's state
+# (None where a layer holds nothing: an empty layer, the `values` of a tied layer) and the positions buffer; the
+# context is everything else, fixed for a traced program: the layout, `max_cache_len` of a static cache and the
+# token count of linear-attention states. (transformers does the same for its DynamicCache in
+# transformers/integrations/executorch.py, `register_dynamic_cache_export_support`.)
+_LAYER_STATE: dict[type[CacheLayerMixin], tuple[str, ...]] = {
+    DynamicLayer: ("keys", "values"),
+    TiedKVLayer: ("keys", "values"),
+    StaticLayer: ("keys", "values", "cumulative_length"),
+    TiedStaticLayer: ("keys", "values", "cumulative_length"),
+    ContextValueLayer: ("keys", "values"),
+    ContextValueStaticLayer: ("keys", "values", "cumulative_length"),
+    LinearAttentionStateLayer: ("state", "normalizer"),
+}
+
+
+def _layer_state(cache: QKVShareCache, layer: CacheLayerMixin) -> dict[str, torch.Tensor | None]:
+    if type(layer) not in _LAYER_STATE:
+        raise TypeError(
+            f"{type(cache).__name__}: cannot flatten a {type(layer).__name__} layer for torch.export (exportable: "
+            f"{', '.join(cls.__name__ for cls in _LAYER_STATE)}; sliding-window and quantized layers are not)."
+        )
+    return {name: getattr(layer, name) for name in _LAYER_STATE[type(layer)]}
+
+
+def _flatten_cache(cache: QKVShareCache) -> tuple[list, tuple]:
+    layers = [_layer_state(cache, layer) for layer in cache.layers]
+    positions = {kind: _layer_state(cache, layer) for kind, layer in cache.position_layers.items()}
+    seen = tuple(getattr(layer, "seen_tokens", 0) for layer in cache.layers)
+    return [layers, positions], (cache.layout, getattr(cache, "max_cache_len", None), seen)
+
+
+def _flatten_cache_with_keys(cache: QKVShareCache) -> tuple[list, tuple]:
+    children, context = _flatten_cache(cache)
+    keys = (torch.utils._pytree.GetAttrKey("layers"), torch.utils._pytree.GetAttrKey("position_layers"))
+    return list(zip(keys, children)), context
+
+
+def _restore_layer(layer: CacheLayerMixin, state: dict[str, torch.Tensor | None], seen_tokens: int) -> None:
+    for name, tensor in state.items():
+        setattr(layer, name, tensor)
+    held = state.get("keys", state.get("state"))
+    if held is None:
+        return
+    # What lazy_initialization records besides the tensors.
+    layer.device, layer.is_initialized = held.device, True
+    if isinstance(layer, StaticLayer):
+        layer.batch_size, layer.num_heads = held.shape[:2]
+        layer.k_head_dim = held.shape[-1]
+        values = state.get("values")
+        layer.v_head_dim = (values if values is not None else held).shape[-1]
+    if isinstance(layer, LinearAttentionStateLayer):
+        layer.seen_tokens = seen_tokens
+
+
+def _unflatten_cache(cls: type[QKVShareCache], children: list, context: tuple) -> QKVShareCache:
+    """The cache `_flatten_cache` split, rebuilt around the given tensors (no config needed: the layout says it all)."""
+    layout, max_cache_len, seen = context
+    layers_state, positions_state = children
+    cache = cls.__new__(cls)  # __init__ wants a config; set the same attributes it sets
+    cache.layout = layout
+    if max_cache_len is not None:
+        cache.max_cache_len = max_cache_len
+    kinds, types = layout.layer_kinds, layout.attention_types
+    Cache.__init__(cache, layers=[cache.new_layer(kind, kind_type) for kind, kind_type in zip(kinds, types)])
+    cache.position_layers = {kind: cache.new_position_layer(kind) for kind in positions_state}
+    for layer, state, seen_tokens in zip(cache.layers, layers_state, seen):
+        _restore_layer(layer, state, seen_tokens)
+    for kind, state in positions_state.items():
+        _restore_layer(cache.position_layers[kind], state, 0)
+    return cache
+
+
+def _dumpable_context(context: tuple) -> str:
+    import dataclasses
+    import json
+
+    layout, max_cache_len, seen = context
+    return json.dumps({"layout": dataclasses.asdict(layout), "max_cache_len": max_cache_len, "seen_tokens": list(seen)})
+
+
+def _context_from_dump(dumped: str) -> tuple:
+    import json
+
+    data = json.loads(dumped)
+    fields_ = data["layout"]
+    layout = CacheLayout(
+        **fields_ | {"layer_kinds": tuple(fields_["layer_kinds"]), "attention_types": tuple(fields_["attention_types"])}
+    )
+    return layout, data["max_cache_len"], tuple(data["seen_tokens"])
+
+
+def register_cache_pytree_nodes() -> None:
+    """Register `QKVShareCache` and `QKVShareStaticCache` with torch's pytree (done on import; idempotent), so
+    `torch.export` accepts them as inputs (`cache=`) and outputs, and `torch.export.save` can serialize the specs."""
+    for cls in (QKVShareCache, QKVShareStaticCache):
+        if cls in torch.utils._pytree.SUPPORTED_NODES:
+            continue
+        torch.utils._pytree.register_pytree_node(
+            cls,
+            _flatten_cache,
+            lambda children, context, cls=cls: _unflatten_cache(cls, children, context),
+            serialized_type_name=f"{cls.__module__}.{cls.__name__}",
+            flatten_with_keys_fn=_flatten_cache_with_keys,
+            to_dumpable_context=_dumpable_context,
+            from_dumpable_context=_context_from_dump,
+        )
+
+
+register_cache_pytree_nodes()
+
 __all__ = [
     "QKVShareCache",
     "QKVShareStaticCache",

@@ -61,7 +61,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -333,6 +333,12 @@ class QKVShareAttention(nn.Module):
             sliding_window=self.sliding_window,
             **kwargs,
         )
+        if self.attention_map_pe is not None:
+            # sdpa with a float mask (the "+" bias) traced with a dynamic length records the fused CPU kernel's output
+            # layout, in which (B, T, H, D) is already contiguous, so the reshape below is traced as a view; exporters
+            # that decompose sdpa into math ops (torch.onnx) then get a (B, H, T, D) output and that view fails. A
+            # recorded copy makes the layout explicit (eager: one (B, T, H*D) copy per "+" layer).
+            attn_output = attn_output.clone(memory_format=torch.contiguous_format)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
@@ -386,6 +392,9 @@ class QKVSharePreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # A decode step with QKVShareStaticCache traces to one graph in every mode (tests/test_compile_export.py): no
+    # host syncs on the forward path (see `QKVShareModel._check_learned_positions`).
+    _can_compile_fullgraph = True
     _can_record_outputs = {"hidden_states": QKVShareDecoderLayer, "attentions": QKVShareAttention}
 
     @torch.no_grad()
@@ -589,6 +598,28 @@ class QKVShareModel(QKVSharePreTrainedModel):
             masks[attention_type] = mask
         return masks
 
+    def _check_learned_positions(self, position_ids: torch.LongTensor, cache: Cache | None) -> None:
+        """Refuse positions beyond the learned position table (the embedding lookup would fail or read garbage).
+
+        Eager: the largest position is read back. Under torch.compile / torch.export that read would be a host sync
+        (a graph break, or an export error), so only what the host knows is checked: a static cache's slots bound
+        the positions of the tokens written into it, so `max_cache_len` must fit the table.
+        """
+        limit = self.config.max_position_embeddings
+        if is_torchdynamo_compiling():
+            length = getattr(cache, "max_cache_len", None)
+            if isinstance(length, int) and length > limit:
+                raise ValueError(
+                    f"cache: max_cache_len={length} is beyond max_position_embeddings={limit} of this model's learned "
+                    f"position table; build the static cache with max_cache_len <= {limit}."
+                )
+            return
+        if position_ids.numel() and int(position_ids.max()) >= limit:
+            raise ValueError(
+                f"position {int(position_ids.max())} is beyond max_position_embeddings={limit} of this model's "
+                "learned position table; use shorter inputs."
+            )
+
     def _positions(
         self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, cache: Cache | None
     ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -599,12 +630,7 @@ class QKVShareModel(QKVSharePreTrainedModel):
         """
         hidden_states = inputs_embeds
         if self.config.position_embedding_type == "learned":
-            if position_ids.numel() and int(position_ids.max()) >= self.config.max_position_embeddings:
-                raise ValueError(
-                    f"position {int(position_ids.max())} is beyond max_position_embeddings="
-                    f"{self.config.max_position_embeddings} of this model's learned position table; use shorter inputs "
-                    "(or a sliding window)."
-                )
+            self._check_learned_positions(position_ids, cache)
             hidden_states = hidden_states + self.embed_positions(position_ids)
 
         # Positions of every key this forward attends to, per attention type: the cached ones (a QKVShareCache records

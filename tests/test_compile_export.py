@@ -1,0 +1,272 @@
+"""torch.compile, torch.export, ExecuTorch and ONNX with the static tied cache; beam search and assisted decoding with
+it; `qkvshare export`. Tiny models (2 layers, hidden 32, fp32, CPU); every compiled or exported program is built once
+per module (fixtures) and compared with eager decoding.
+
+Compilation uses the "eager" dynamo backend: it traces the whole graph exactly as inductor would receive it (a host
+sync or a data-dependent branch fails `fullgraph=True`), without inductor's C++ build (minutes on 2 cores).
+"""
+
+import copy
+
+import pytest
+import torch
+from test_core import VOCAB, tiny
+from transformers import CompileConfig
+
+import qkvshare_cli
+from qkvshare import QKVShareCache, QKVShareForCausalLM, QKVShareStaticCache, TiedStaticLayer
+from qkvshare.export import (
+    FunctionalDecoderStep,
+    OnnxDecoder,
+    StaticCacheDecoder,
+    executorch_step,
+    export_decoder,
+    greedy_generate,
+    reference_tokens,
+    to_executorch,
+    to_onnx,
+)
+
+SLOTS = 16  # max_cache_len
+PROMPT, NEW = 5, 6
+WIDE = dict(hidden_size=32, initializer_range=0.3)  # large weights: greedy tokens vary, so equal tokens mean something
+# Between them: the four modes, both tie points, "+", GQA and MQA, RoPE and learned positions.
+MODELS = {
+    "tied": tiny(layer_projection_sharing=["none", "kv"], num_key_value_heads=2, **WIDE),  # QKV + Q-GQA, post-RoPE
+    "plus": tiny("(Q=K=V)+", layer_projection_sharing=["qk", "qkv"], kv_tie_point="pre_rope", **WIDE),
+    "learned": tiny(
+        layer_projection_sharing=["none", "kv"], num_key_value_heads=1, position_embedding_type="learned", **WIDE
+    ),
+}
+
+
+def build(name: str, seed: int = 0) -> QKVShareForCausalLM:
+    torch.manual_seed(seed)
+    return QKVShareForCausalLM._from_config(copy.deepcopy(MODELS[name]), attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def eager_tokens(model, prompt: torch.Tensor) -> torch.Tensor:
+    expected = reference_tokens(model, prompt, NEW)  # eager, dynamic tied cache, no stop at end-of-sequence
+    assert expected.unique().numel() > 2  # the tokens vary: equal tokens are a real check
+    return expected
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_decode_step_compiles_to_one_graph_and_matches_eager(name, prompt):
+    assert QKVShareForCausalLM._can_compile_fullgraph
+    model = build(name)
+    caches = [QKVShareStaticCache(model.config, max_cache_len=SLOTS) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(prompt, cache=cache, use_cache=True)  # prefill, eager (as generate() does)
+        step = torch.compile(
+            lambda ids, cache: model(ids, cache=cache, use_cache=True).logits, fullgraph=True, backend="eager"
+        )
+        token = prompt[:, -1:]
+        for _ in range(3):
+            compiled, eager = step(token, caches[0]), model(token, cache=caches[1], use_cache=True).logits
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)  # same ops, maybe other kernels
+            token = eager[:, -1:].argmax(-1)
+    assert caches[0].get_seq_length() == PROMPT + 3
+    for ours, theirs in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_generate_with_static_cache_and_compile_gives_the_eager_tokens(prompt):
+    model = build("tied")
+    expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache_implementation="static")
+    model.generation_config.compile_config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    model.generation_config.compile_config._compile_all_devices = True  # transformers compiles on GPUs only else
+    out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache_implementation="static")
+    assert hasattr(model, "_compiled_call")  # the decode steps ran compiled
+    assert torch.equal(out, expected) and out.shape[1] > PROMPT + 2
+
+
+def test_learned_position_check_runs_on_the_host_under_compile(prompt):
+    model = build("learned")
+    limit = model.config.max_position_embeddings
+    cache = QKVShareStaticCache(model.config, max_cache_len=limit + 1)
+    step = torch.compile(lambda ids: model(ids, cache=cache, use_cache=True), fullgraph=True, backend="eager")
+    # Under fullgraph, dynamo reports the ValueError raised while tracing as an observed exception, message kept.
+    with pytest.raises(Exception) as err:
+        step(prompt)
+    message = f"max_cache_len={limit + 1} is beyond max_position_embeddings={limit}"
+    chain = [err.value, err.value.__cause__, err.value.__context__]
+    assert any(message in str(e) for e in chain if e is not None), [str(e)[:300] for e in chain]
+    with pytest.raises(ValueError, match=f"position {limit} is beyond max_position_embeddings={limit}"):
+        model(prompt[:, :1], position_ids=torch.tensor([[limit]]))  # eager: the positions themselves are checked
+
+
+# ----------------------------------------------------------------------------- pytree registration, torch.export
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_caches_flatten_and_rebuild_exactly(static, prompt):
+    model = build("plus")  # pre-RoPE ties and "+": the positions are part of the cache
+    cache = QKVShareStaticCache(model.config, max_cache_len=SLOTS) if static else QKVShareCache(model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+    leaves, spec = torch.utils._pytree.tree_flatten(cache)
+    rebuilt = torch.utils._pytree.tree_unflatten([None if t is None else t.clone() for t in leaves], spec)
+    assert type(rebuilt) is type(cache) and rebuilt.layout == cache.layout
+    assert int(rebuilt.get_seq_length()) == PROMPT and rebuilt.nbytes() == cache.nbytes()
+    assert rebuilt.layers[1].values is None and torch.equal(rebuilt.positions, cache.positions)
+    token = torch.tensor([[7]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(token, cache=rebuilt).logits, model(token, cache=cache).logits, rtol=0, atol=0)
+    # torch.export.save writes the spec through the dumpable context; it must read back equal.
+    dumped = torch.utils._pytree.treespec_dumps(spec)
+    assert torch.utils._pytree.treespec_loads(dumped) == spec
+
+
+@pytest.mark.slow
+def test_torch_export_of_prefill_and_decode_takes_the_static_tied_cache(prompt):
+    model = build("plus")
+
+    def fresh():
+        cache = QKVShareStaticCache(model.config, max_cache_len=SLOTS)
+        cache.early_initialization(1, model.config.num_key_value_heads, model.config.head_dim, torch.float32, "cpu")
+        return cache
+
+    token = torch.tensor([[9]])
+    with torch.no_grad():
+        prefill = torch.export.export(model, (), {"input_ids": prompt, "cache": fresh(), "use_cache": True})
+        cache, reference = fresh(), fresh()
+        prefill.module()(input_ids=prompt, cache=cache, use_cache=True)
+        model(prompt, cache=reference, use_cache=True)
+        decode = torch.export.export(model, (), {"input_ids": token, "cache": cache, "use_cache": True})
+        out = decode.module()(input_ids=token, cache=cache, use_cache=True)
+        expected = model(token, cache=reference, use_cache=True)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=0, atol=1e-6)
+    assert type(out.cache) is QKVShareStaticCache and int(cache.get_seq_length()) == PROMPT + 1
+    for i, (layer, ref) in enumerate(zip(cache.layers, reference.layers)):  # one buffer per tied layer, as eager's
+        tied = model.config.is_kv_tied(i)
+        assert isinstance(layer, TiedStaticLayer) == tied and (layer.values is None) == tied
+        for mine, theirs in ((layer.keys, ref.keys), (layer.values, ref.values)):
+            if mine is not None:
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+    assert torch.equal(cache.positions, reference.positions)
+
+
+# ----------------------------------------------------------------------------- ExecuTorch and ONNX programs
+@pytest.fixture(scope="module", params=["tied", "plus"])
+def programs(request, tmp_path_factory):
+    """For one model: its eager tokens, and the same decoding through an ExportedProgram, an ExecuTorch program
+    (portable kernels: the quickest to lower; XNNPACK is measured by `qkvshare export`) and an ONNX model."""
+    model = build(request.param)
+    decoder = StaticCacheDecoder(model, max_cache_len=SLOTS)
+    program = export_decoder(decoder)
+    onnx_path = tmp_path_factory.mktemp("onnx") / "model.onnx"
+    functional = FunctionalDecoderStep(StaticCacheDecoder(model, max_cache_len=SLOTS))
+    to_onnx(functional, onnx_path)
+    return dict(
+        model=model,
+        decoder=decoder,
+        exported=program.module(),
+        executorch=executorch_step(to_executorch(program, backend="portable")),
+        onnx=OnnxDecoder(onnx_path, functional.state_names, functional.initial_state),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["decoder", "exported", "executorch", "onnx"])
+def test_exported_programs_generate_the_eager_tokens(programs, runner, prompt):
+    expected = eager_tokens(programs["model"], prompt)
+    assert torch.equal(greedy_generate(programs[runner], prompt, NEW), expected)
+    assert torch.equal(greedy_generate(programs[runner], prompt, NEW), expected)  # a new prompt restarts at slot 0
+
+
+@pytest.mark.slow
+def test_export_wrapper_holds_one_buffer_per_tied_layer(programs):
+    decoder = programs["decoder"]
+    config = decoder.model.config
+    buffers = {name for name, _ in decoder.named_buffers() if name.startswith("cache_")}
+    tied = [config.is_kv_tied(i) for i in range(config.num_hidden_layers)]
+    assert {f"cache_{i}_values" for i in range(2)} & buffers == {f"cache_{i}_values" for i in range(2) if not tied[i]}
+    positions = 8 if config.needs_key_positions else 0
+    assert decoder.cache_bytes_per_token() == config.kv_cache_bytes_per_token(4) + positions
+
+
+# ----------------------------------------------------------------------------- beam search, assisted decoding
+def test_beam_search_and_assisted_decoding_with_the_static_tied_cache():
+    # transformers 5.24 runs both with a static cache for Llama; ours must give what the dynamic tied cache gives.
+    model, assistant = build("plus"), build("plus", seed=1)  # another assistant: some drafts are rejected (crop)
+    ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    beams = [model.generate(ids, num_beams=2, cache_implementation=c, **kwargs) for c in ("static", None)]
+    assert type(beams[0].cache) is QKVShareStaticCache and torch.equal(beams[0].sequences, beams[1].sequences)
+    plain = model.generate(ids[:1], **kwargs).sequences
+    for kw in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=2)):  # a draft model, n-gram drafts
+        out = model.generate(ids[:1], cache_implementation="static", **kw, **kwargs)
+        assert type(out.cache) is QKVShareStaticCache and torch.equal(out.sequences, plain)
+
+
+def test_custom_4d_mask_of_shared_prefix_equals_separate_sequences():
+    # transformers' common test (it runs only for models with `_can_compile_fullgraph`): three continuations of one
+    # prefix packed in one row with a 4D mask and repeated positions give each continuation's own logits.
+    model = build("plus")
+    ids = torch.tensor([[10, 11, 12, 20], [10, 11, 12, 21], [10, 11, 12, 22]])
+    packed = torch.tensor([[10, 11, 12, 20, 21, 22]])
+    allowed = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 0, 1, 0],
+            [1, 1, 1, 0, 0, 1],
+        ]
+    )
+    mask = (allowed == 0).float()[None, None] * torch.finfo(torch.float32).min
+    with torch.no_grad():
+        separate = model(ids).logits[:, -1]
+        shared = model(packed, attention_mask=mask, position_ids=torch.tensor([[0, 1, 2, 3, 3, 3]])).logits[0, -3:]
+    torch.testing.assert_close(shared, separate, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- qkvshare export
+def test_export_command_refuses_bad_input_before_any_work(tmp_path, monkeypatch, capsys):
+    learned = tmp_path / "learned"
+    build("learned").save_pretrained(learned)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama/config.json").write_text('{"model_type": "llama"}')
+    cases = [
+        ([str(tmp_path / "none"), "--format", "onnx"], "has no config.json: not a Hugging Face model directory"),
+        ([str(learned), "--format", "tflite"], "argument --format: invalid choice: 'tflite'"),
+        ([str(tmp_path / "llama"), "--format", "onnx"], "holds a 'llama' model, not a QKVShare one"),
+        ([str(learned), "--format", "onnx", "--max_cache_len", "129"], "beyond max_position_embeddings=128"),
+        ([str(learned), "--format", "onnx", "--output", str(tmp_path / "no/x.onnx")], "directory does not exist"),
+    ]
+    for argv, message in cases:
+        assert qkvshare_cli.main(["export", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    monkeypatch.setitem(__import__("sys").modules, "executorch", None)  # the extra not installed
+    assert qkvshare_cli.main(["export", str(learned), "--format", "executorch"]) == 2
+    assert 'pip install "qkvshare[export]"' in capsys.readouterr().err
+    assert not list(learned.glob("model.pte")) + list(learned.glob("model.onnx"))  # nothing written
+
+
+@pytest.mark.slow
+def test_export_command_writes_an_onnx_model_with_the_cache_bytes(tmp_path, capsys):
+    build("tied").save_pretrained(tmp_path)
+    output = tmp_path / "tied.onnx"
+    assert (
+        qkvshare_cli.main(
+            ["export", str(tmp_path), "--format", "onnx", "--max_cache_len", "16", "--output", str(output)]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    config = MODELS["tied"]
+    per_token = config.kv_cache_bytes_per_token(4)  # fp32: K and V of layer 0, the one tied tensor of layer 1
+    assert f"wrote {output} (onnx): {output.stat().st_size:,} bytes" in out
+    assert f"cache: {per_token:,} bytes per token (theory {per_token:,}" in out
+    assert f"{per_token * 16:,} bytes of cache buffers in all (1 x 16 token slots)" in out
+    assert "greedy tokens of the written program vs the model (8 after a 4-token prompt): identical" in out
