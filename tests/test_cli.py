@@ -313,7 +313,10 @@ def test_extras_match_pyproject():
     for extra, modules in EXTRAS.items():
         assert names(extras[extra]) == set(modules.values()), extra
     assert extras["all"] == ["qkvshare[train,eval,plots]"]
-    assert names(extras["dev"]) == {"qkvshare", "pytest", "ruff", "peft"} and "qkvshare[all]" in extras["dev"]
+    assert (
+        names(extras["dev"]) == {"qkvshare", "pytest", "pytest-xdist", "ruff", "peft"}
+        and "qkvshare[all]" in extras["dev"]
+    )
     assert names(PYPROJECT["project"]["dependencies"]) == {"torch", "transformers", "safetensors"}
     for name, command in COMMANDS.items():
         assert set(command.extras) <= set(EXTRAS), name
@@ -427,7 +430,7 @@ def test_readme_main_job_installs_what_train_needs():
 
 def test_ci_runs_exactly_the_readme_test_command():
     _, tests = _readme_commands()
-    assert tests == 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
+    assert tests == 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile'
     assert re.search(rf"^{re.escape(tests)} \|\| status=1$", (ROOT / ".ci/run").read_text(), re.M)
 
 
@@ -435,7 +438,7 @@ CI_SUCCESS = [
     "python -m pip install --quiet --upgrade pip",
     "pip install torch==2.13.0",
     "pip install -e .[dev]",
-    "python -m pytest -q",
+    "python -m pytest -q -n 2 --dist loadfile",
     "ruff check .",
     "ruff format --check .",
 ]
@@ -453,7 +456,7 @@ def _shim(path: Path, name: str, then: str = "") -> None:
     ("fail", "status", "calls"),
     [
         (None, 0, CI_SUCCESS),
-        ("python -m pytest -q", 1, CI_SUCCESS),
+        ("python -m pytest -q -n 2 --dist loadfile", 1, CI_SUCCESS),
         ("ruff check .", 1, CI_SUCCESS),
         ("ruff format --check .", 1, CI_SUCCESS),
         ("pip install -e .[dev]", 1, CI_SUCCESS[:3]),

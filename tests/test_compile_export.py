@@ -27,10 +27,6 @@ from qkvshare.export import (
     to_onnx,
 )
 
-# Module fixtures here are expensive: under pytest-xdist (`--dist loadgroup`) this file runs on one worker, so
-# each is built once.
-pytestmark = pytest.mark.xdist_group("compile_export")
-
 SLOTS = 16  # max_cache_len
 PROMPT, NEW = 5, 6
 WIDE = dict(hidden_size=32, initializer_range=0.3)  # large weights: greedy tokens vary, so equal tokens mean something

@@ -24,10 +24,6 @@ from qkvshare.convert import (
 from qkvshare.train.pretrain import main as train_main
 from qkvshare.train.tokenizer import train_bpe_tokenizer
 
-# Module fixtures here are expensive: under pytest-xdist (`--dist loadgroup`) this file runs on one worker, so
-# each is built once.
-pytestmark = pytest.mark.xdist_group("convert")
-
 VOCAB, HEADS, HEAD_DIM = 384, 4, 16
 
 

@@ -32,10 +32,6 @@ from qkvshare.evaluation.common import NonFiniteResultError, kv_cache_bytes_per_
 from qkvshare.evaluation.perplexity import pack, perplexity, windows
 from qkvshare.evaluation.tasks import DEFAULT_TASKS, FIXTURES_DIR, OFFLINE_TASKS
 
-# Module fixtures here are expensive: under pytest-xdist (`--dist loadgroup`) this file runs on one worker, so
-# each is built once.
-pytestmark = pytest.mark.xdist_group("eval")
-
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
