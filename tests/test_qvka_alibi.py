@@ -237,3 +237,12 @@ def test_sweep_and_compare_grids_over_position_types():
     ]
     with pytest.raises(ValueError, match="--position_types sets position_embedding_type"):
         compare.parse_args(["--position_types", "rope", "--config_overrides", "position_embedding_type=learned"])
+
+
+def test_qv_ka_refuses_a_sliding_window_and_the_quantized_cache():
+    with pytest.raises(ValueError, match=r"sliding_window=4 \(the cache of G and V has no sliding form\)"):
+        QKVShareConfig.from_preset("tiny", "QV-Ka", sliding_window=4)
+    from qkvshare.cache_qkvshare import QKVShareQuantizedCache
+
+    with pytest.raises(ValueError, match=r"QKVShareQuantizedCache: .*QV-Ka \(key_context_dim\)"):
+        QKVShareQuantizedCache(QKVShareConfig.from_preset("tiny", "QV-Ka"), backend="fp8")
