@@ -23,24 +23,23 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
       of head h is W_o,h M_h^T and inference costs nothing extra. M_h is ridge least squares over calibration tokens,
           M_h = argmin_M ||F_h M - A_h||^2 + lambda ||M||^2 = (F_h^T F_h + lambda I)^-1 F_h^T A_h,
       with F_h, A_h the converted and the source attention outputs of head h on the same layer inputs,
-      lambda = ridge x trace(F_h^T F_h) / d_h. Which inputs (`--calibration`):
-        `sequential` (default): the converted model's own hidden states, layers below l already converted, and
-        A_h the SOURCE layer's attention on those same inputs. Each fit then sees the inputs the layer will get
-        at inference (the drift the layers below leave) instead of the source's, as GPTQ quantizes layer l on
-        the outputs of the already-quantized layers. On SmolLM2-135M it ends closer to the source's hidden
-        states and at a lower perplexity than `independent` (README table).
-        `independent`: the source's hidden states for every layer (one source forward); each layer is fitted
-        well on inputs it never sees once the layers below it are converted, so the errors compound.
-      Measured and not kept (SmolLM2-135M Q-K=V, 2,048 calibration tokens, held-out perplexity at 0 steps;
-      independent 63.98, sequential 62.49): the converted path's features against the source path's
-      attention outputs (65.4), and a whole new o_proj fitted to bring the converted stream back to the
-      source's ((h_src - h') + y_src: 81.8 at ridge 1e-4, 77.6 at 1e-2; its error on the calibration tokens
-      fell 6x, held-out it overfits 576 x 576 unknowns). With attention biases
-      (Qwen2) F_h gets a column of ones; its row of M_h is a constant c_h added to every value, which passes
-      through softmax's convex combination unchanged and folds into o_proj's bias (b_o += W_o,h c_h).
-      Fitting attention outputs rather than the values (U M ~ V, the P = I special case) weighs each token as
-      attention actually mixes it and fits one map per query head, so a pooled key/value head (Q-MQA) still
-      gives each query head a value close to its own source head's.
+      lambda = ridge x trace(F_h^T F_h) / d_h. With attention biases (Qwen2) F_h gets a column of ones; its row
+      of M_h is a constant c_h added to every value, which passes through softmax's convex combination unchanged
+      and folds into o_proj's bias (b_o += W_o,h c_h). Fitting attention outputs rather than the values (U M ~ V,
+      the P = I special case) weighs each token as attention actually mixes it and fits one map per query head,
+      so a pooled key/value head (Q-MQA) still gives each query head a value close to its own source head's.
+    - Which layer inputs the fit uses (`--calibration`):
+        `sequential` (default): the converted model's own hidden states, layers below l already converted, with
+        A_h the SOURCE layer's attention on those same inputs. Each fit sees the inputs the layer gets at
+        inference (with the drift the layers below leave), as GPTQ quantizes layer l on the outputs of the
+        already-quantized layers. One pass: the converted stream advances layer by layer as each is fitted.
+        `independent`: the source's hidden states for every layer; each layer is fitted on inputs it no longer
+        sees once the layers below are converted, so the errors compound.
+      Measured on SmolLM2-135M (2,048 calibration tokens, held-out perplexity at 0 steps, README table):
+      Q-K=V independent 63.98, sequential 62.49; Q-MQA 26.9M and 1.05M. Tried and not kept: the converted
+      path's features against the source path's attention outputs (65.4), and a whole new o_proj fitted to
+      bring the converted stream back to the source's, (h_src - h') + y_src (81.8 at ridge 1e-4, 77.6 at 1e-2:
+      6x lower drift on the calibration tokens, but 576 x 577 unknowns overfit).
     - Which tie point: with the pre-RoPE tie (`kv_tie_point="pre_rope"`) the cached tensor is U = X W_k, and the
       source's values X W_v are then a fixed linear function of the layer input, so "best linear map from U"
       is well posed. With the post-RoPE tie U = R(t) X W_k depends on the position t, and no position-free M can
@@ -57,11 +56,12 @@ Q=K ("qk" Q=K-V, "qkv" Q=K=V; needs as many key/value heads as query heads): `--
 
 The error recorded per layer (`conversion.json`, `layer_errors`): ||y' - y|| / ||y|| over the calibration tokens,
 with y the source layer's attention output (after o_proj) and y' the converted layer's, both from the source's
-hidden states, so every method is measured in the same terms; and `drift`, ||h' - h|| / ||h|| of the residual
-stream after each layer, the converted model's own against the source's (what compounds over the layers). The output directory is a normal model directory
-(safetensors, config with auto_map, the model code, the tokenizer) plus `conversion.json`, the record of how it
-was made. Bad input (an unsupported architecture, a variant the source cannot take, a missing or too small
-calibration set, an output directory holding files) fails before the weights are read.
+hidden states, so every method is measured in the same terms; and `drift`, ||h' - h|| / ||h|| of the residual stream
+after each layer, the converted model's own against the source's (what compounds over the layers). The output
+directory is a normal model directory (safetensors, config with auto_map, the model code, the tokenizer) plus
+`conversion.json`, the record of how it was made. Bad input (an unsupported architecture, a variant the source
+cannot take, a missing or too small calibration set, an output directory holding files) fails before the weights are
+read.
 
 Light at import (standard library only; torch and transformers are imported by the functions that need them), so
 `qkvshare convert --help` and argument errors answer at once.
@@ -845,7 +845,8 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
     before = QKVShareConfig.from_llama(source_config).kv_cache_bytes_per_token()
     lines = [
         f"converted {record.source} ({record.source_model_type}, {record.source_key_value_heads} key/value heads) to "
-        f"{record.variant}: method {record.method or '-'} ({record.calibration or '-'}), Q=K {record.query_method or '-'}, "
+        f"{record.variant}: method {record.method or '-'} (calibration {record.calibration or '-'}), "
+        f"Q=K {record.query_method or '-'}, "
         f"kv_tie_point {record.kv_tie_point}, head pooling {record.head_pooling or '-'}",
         f"KV cache per token (16-bit): {config.kv_cache_bytes_per_token():,} bytes (source {before:,})",
     ]
