@@ -10,9 +10,12 @@ can import the modules that use it.
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import json
 import multiprocessing
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +49,8 @@ def run_cells(
 
     `worker` returns (key, CSV row, per-step losses); each result is appended to `csv_path` (columns `fields`,
     header written when the file is new) and to `curves_path` as ``{"key", <labels>, "losses"}`` as soon as it
-    arrives, flushed. `labels` names the row's columns to copy, or maps a row to the label fields itself. `worker` must be a module-level function (the spawned processes import it).
+    arrives, flushed. `labels` names the row's columns to copy, or maps a row to the label fields itself.
+    `worker` must be a module-level function (the spawned processes import it).
     Returns the keys trained, in the order they finished.
     """
     from tqdm.auto import tqdm
@@ -80,6 +84,49 @@ def run_cells(
     return trained
 
 
+def dataclass_parser(
+    args_class: type, prog: str, description: str, lists: dict[str, type] | None = None
+) -> argparse.ArgumentParser:
+    """A parser with one flag per field of the dataclass `args_class`, its help from the field's metadata.
+
+    `plots` becomes `--no_plots`; the fields named in `lists` take one or more values of the given type (a list of
+    strings shows its default in the help); a field whose default is None takes a str or an int, as its annotation
+    says; every other field takes one value of its default's type.
+    """
+    from .conventions import HelpFormatter
+
+    lists = lists or {}
+    defaults = args_class()
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    for f in dataclasses.fields(args_class):
+        default, help_ = getattr(defaults, f.name), f.metadata["help"]
+        flag = f"--{f.name}"
+        if f.name == "plots":
+            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
+        elif f.name in lists:
+            if lists[f.name] is str and default is not None:
+                help_ = f"{help_} (default: {' '.join(default)})"
+            parser.add_argument(flag, nargs="+", type=lists[f.name], default=default, help=help_)
+        elif default is None:
+            kind = str if f.type == "str | None" else int
+            parser.add_argument(flag, type=kind, default=None, help=help_)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=help_)
+    return parser
+
+
+def print_sweep_result(result: Any, start: float) -> None:
+    """Print a finished sweep: its table, the cells trained and skipped with the wall time since `start`
+    (`time.perf_counter()`), and the files it wrote (`result.table`, `.trained`, `.skipped`, `.files`)."""
+    print(result.table)
+    print(
+        f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
+        f"{time.perf_counter() - start:.0f} s wall"
+    )
+    for name, path in result.files.items():
+        print(f"{name}: {path}")
+
+
 def mean_std(values: Iterable[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value) of a non-empty collection."""
     values = list(values)
@@ -88,4 +135,4 @@ def mean_std(values: Iterable[float]) -> tuple[float, float]:
     return mean, std
 
 
-__all__ = ["read_results", "pending", "run_cells", "mean_std"]
+__all__ = ["read_results", "pending", "run_cells", "dataclass_parser", "print_sweep_result", "mean_std"]

@@ -36,7 +36,6 @@ Design choices
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import math
@@ -47,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qkvshare.analysis.conventions import HelpFormatter, slug
-from qkvshare.analysis.sweeps import mean_std, pending, read_results, run_cells
+from qkvshare.analysis.conventions import slug
+from qkvshare.analysis.sweeps import dataclass_parser, mean_std, pending, print_sweep_result, read_results, run_cells
 
 from .tasks import NUM_SYMBOLS, TASKS, make_dataset
 
@@ -522,23 +521,13 @@ def results_table(
 
 def parse_args(argv: list[str] | None) -> SweepArgs:
     """The command line as `SweepArgs`: one flag per field, its help from the field's metadata."""
-    defaults = SweepArgs()
-    parser = argparse.ArgumentParser(
-        prog="qkvshare synthetic",
-        description="Train the paper's synthetic encoder tasks over a grid of attention variants (resumable).",
-        formatter_class=HelpFormatter,
+    grid_axes = dict.fromkeys(GRIDS["default"], int)
+    parser = dataclass_parser(
+        SweepArgs,
+        "qkvshare synthetic",
+        "Train the paper's synthetic encoder tasks over a grid of attention variants (resumable).",
+        lists={"variants": str, "tasks": str, "position_types": str} | grid_axes,
     )
-    for f in dataclasses.fields(SweepArgs):
-        default, help_ = getattr(defaults, f.name), f.metadata["help"]
-        flag = f"--{f.name}"
-        if f.name == "plots":
-            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
-        elif f.name in ("variants", "tasks", "position_types"):
-            parser.add_argument(flag, nargs="+", default=default, help=f"{help_} (default: {' '.join(default)})")
-        elif f.name in GRIDS["default"]:
-            parser.add_argument(flag, nargs="+", type=int, default=None, help=help_)
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=help_)
     return SweepArgs(**vars(parser.parse_args(argv)))
 
 
@@ -556,13 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.perf_counter()
     result = run_sweep(args)
-    print(result.table)
-    print(
-        f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
-        f"{time.perf_counter() - start:.0f} s wall"
-    )
-    for name, path in result.files.items():
-        print(f"{name}: {path}")
+    print_sweep_result(result, start)
     return 0
 
 

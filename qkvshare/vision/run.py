@@ -28,8 +28,6 @@ Design choices
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -38,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qkvshare.analysis.conventions import HelpFormatter, slug
-from qkvshare.analysis.sweeps import mean_std, pending, read_results, run_cells
+from qkvshare.analysis.conventions import slug
+from qkvshare.analysis.sweeps import dataclass_parser, mean_std, pending, print_sweep_result, read_results, run_cells
 
 if TYPE_CHECKING:
     import torch
@@ -507,28 +505,12 @@ def results_table(rows: list[dict], args: VisionArgs) -> str:
 
 def parse_args(argv: list[str] | None) -> VisionArgs:
     """The command line as `VisionArgs` (one flag per field), checked by `check_args` (a ValueError if bad)."""
-    defaults = VisionArgs()
-    parser = argparse.ArgumentParser(
-        prog="qkvshare vision",
-        description="Train ViT variants on images (or the set anomaly task) over variants x seeds (resumable).",
-        formatter_class=HelpFormatter,
+    parser = dataclass_parser(
+        VisionArgs,
+        "qkvshare vision",
+        "Train ViT variants on images (or the set anomaly task) over variants x seeds (resumable).",
+        lists={"variants": str, "seeds": int},
     )
-    for f in dataclasses.fields(VisionArgs):
-        default, help_ = getattr(defaults, f.name), f.metadata["help"]
-        flag = f"--{f.name}"
-        if f.name == "plots":
-            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
-        elif f.name == "variants":
-            parser.add_argument(flag, nargs="+", default=default, help=f"{help_} (default: {' '.join(default)})")
-        elif f.name == "seeds":
-            parser.add_argument(flag, nargs="+", type=int, default=default, help=help_)
-        elif f.name in ("task", "pooling", "patch_position_embedding_type", "attn_implementation"):
-            parser.add_argument(flag, default=default, help=help_)
-        elif default is None:
-            kind = str if f.type == "str | None" else int
-            parser.add_argument(flag, type=kind, default=None, help=help_)
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=help_)
     args = VisionArgs(**vars(parser.parse_args(argv)))
     check_args(args)
     return args
@@ -552,13 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # bad data (columns, sizes, classes) found while preparing it, before training
         print(f"qkvshare vision: error: {error}", file=sys.stderr)
         return 2
-    print(result.table)
-    print(
-        f"trained {len(result.trained)} cells, skipped {len(result.skipped)} finished ones, "
-        f"{time.perf_counter() - start:.0f} s wall"
-    )
-    for name, path in result.files.items():
-        print(f"{name}: {path}")
+    print_sweep_result(result, start)
     return 0
 
 
