@@ -72,16 +72,21 @@ from transformers.utils import is_hqq_available, is_optimum_quanto_available, is
 from .configuration_qkvshare import QKVShareConfig
 
 
-def _check_tied(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
-    if value_states is not None and value_states is not key_states:
-        raise ValueError(
-            f"{type(layer).__name__} stores one tensor: pass the tied state as `key_states` and None (or the same "
-            "tensor) as `value_states`."
-        )
-
-
 class OneTensorLayerMixin:
-    """Moves of a layer whose only state is `keys` (the tied K/V tensor): offload, prefetch and beam reorder."""
+    """What every tied layer shares (its only state is `keys`, the tied K/V tensor): the start of `update`, and
+    offload, prefetch and beam reorder."""
+
+    def _start_update(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> bool:
+        """Refuse a separate value tensor and initialize the layer on its first update; True when this update did."""
+        if value_states is not None and value_states is not key_states:
+            raise ValueError(
+                f"{type(self).__name__} stores one tensor: pass the tied state as `key_states` and None (or the same "
+                "tensor) as `value_states`."
+            )
+        first = not self.is_initialized
+        if first:
+            self.lazy_initialization(key_states)
+        return first
 
     def offload(self) -> None:
         if self.is_initialized:
@@ -112,9 +117,7 @@ class TiedKVLayer(OneTensorLayerMixin, DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tied states (B, H_kv, T_new, D) and return the whole tensor twice (key, value)."""
-        _check_tied(self, key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
+        self._start_update(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         return self.keys, self.keys
 
@@ -150,9 +153,7 @@ class TiedSlidingWindowLayer(TiedKVLayer, DynamicSlidingWindowLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tied states (B, H_kv, T_new, D); keep the last sliding_window - 1, return cached + new."""
-        _check_tied(self, key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
+        self._start_update(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         full = torch.cat([self.keys, key_states], dim=-2)  # (B, H_kv, cached + T_new, D)
         if not self.record_past:
@@ -201,9 +202,7 @@ class TiedStaticLayer(OneTensorLayerMixin, StaticLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tied states (B, H_kv, T_new, D) after the cached ones; return the whole buffer twice."""
-        _check_tied(self, key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
+        self._start_update(key_states, value_states)
         slots = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])  # in place: the address stays fixed
         self.keys.index_copy_(2, slots, key_states)
@@ -229,9 +228,7 @@ class TiedStaticSlidingWindowLayer(TiedStaticLayer, StaticSlidingWindowLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tied states (B, H_kv, T_new, D) into the window; return what the mask covers, twice."""
-        _check_tied(self, key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
+        self._start_update(key_states, value_states)
         new_tokens, current = key_states.shape[-2], self.cumulative_length_int
         self.cumulative_length_int += new_tokens
         if current >= self.max_cache_len:  # the window is full
@@ -291,10 +288,9 @@ class TiedQuantizedLayerMixin(_TiedQuantizedLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new tied states (B, H_kv, T_new, D); return every token (dequantized + residual + new) twice."""
-        _check_tied(self, key_states, value_states)
+        first = self._start_update(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
+        if first:
             self._quantized_keys = self._quantize(key_states.contiguous(), axis=self.axis_key)
             return key_states, key_states
         dequantized = self._dequantize(self._quantized_keys)
@@ -344,10 +340,9 @@ class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tied states in FP8; return every token dequantized, twice."""
-        _check_tied(self, key_states, value_states)
+        first = self._start_update(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
+        if first:
             return key_states, key_states
         quantized, scale = self._quantized_keys
         new, _ = self._quantize(key_states, scale=scale)
