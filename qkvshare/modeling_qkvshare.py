@@ -228,6 +228,8 @@ class QKVShareAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
         # The "+" variants: the paper's 1x1 conv over m channels of the attention map, shared across heads.
         self.attention_map_pe = AttentionMapPE(config.attention_map_pe_dim) if config.attention_map_pe_dim else None
+        # The mask carries a float bias ("+" map, ALiBi): see the copy before the output reshape in `forward`.
+        self.mask_carries_bias = bool(config.attention_map_pe_dim) or config.position_embedding_type == "alibi"
 
     def _heads(self, projection: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, hidden) -> (B, heads, T, D)."""
@@ -333,11 +335,11 @@ class QKVShareAttention(nn.Module):
             sliding_window=self.sliding_window,
             **kwargs,
         )
-        if self.attention_map_pe is not None:
-            # sdpa with a float mask (the "+" bias) traced with a dynamic length records the fused CPU kernel's output
-            # layout, in which (B, T, H, D) is already contiguous, so the reshape below is traced as a view; exporters
-            # that decompose sdpa into math ops (torch.onnx) then get a (B, H, T, D) output and that view fails. A
-            # recorded copy makes the layout explicit (eager: one (B, T, H*D) copy per "+" layer).
+        if self.mask_carries_bias:
+            # sdpa with a float mask (the "+" or ALiBi bias) traced with a dynamic length records the fused CPU
+            # kernel's output layout, in which (B, T, H, D) is already contiguous, so the reshape below is traced as a
+            # view; exporters that decompose sdpa into math ops (torch.onnx) then get a (B, H, T, D) output and that
+            # view fails. A recorded copy makes the layout explicit (eager: one (B, T, H*D) copy per layer).
             attn_output = attn_output.clone(memory_format=torch.contiguous_format)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
@@ -471,17 +473,18 @@ class QKVShareModel(QKVSharePreTrainedModel):
                 f"cache: attention_kernel='linear' keeps a constant-size state that only QKVShareCache holds, got a "
                 f"{name}; {fix}."
             )
-        if self.config.position_embedding_type == "alibi":
-            raise ValueError(
-                f"cache: position_embedding_type='alibi' needs the position of every cached key (its bias is "
-                f"-slope * distance), which only QKVShare caches record; a {name} does not (assuming positions "
-                f"0..past-1 would be wrong for left-padded batches). To fix it, {fix}."
-            )
+        # The "+" map and ALiBi score every cached key by its position: (the setting, why) for the message.
+        scored_by_position = None
         if self.config.attention_map_pe_dim:
+            scored_by_position = (f"attention_map_pe_dim={self.config.attention_map_pe_dim} (a '+' variant)", "")
+        elif self.config.position_embedding_type == "alibi":
+            scored_by_position = ("position_embedding_type='alibi'", " (its bias is -slope * distance)")
+        if scored_by_position:
+            setting, why = scored_by_position
             raise ValueError(
-                f"cache: attention_map_pe_dim={self.config.attention_map_pe_dim} (a '+' variant) needs the position "
-                f"of every cached key, which only QKVShare caches record; a {name} does not (assuming positions "
-                f"0..past-1 would be wrong for left-padded batches). To fix it, {fix}."
+                f"cache: {setting} needs the position of every cached key{why}, which only QKVShare caches record; a "
+                f"{name} does not (assuming positions 0..past-1 would be wrong for left-padded batches). To fix it, "
+                f"{fix}."
             )
         expected, held = self.config.num_hidden_layers, len(cache.layers)
         grows = getattr(cache, "layer_class_to_replicate", None) is not None  # DynamicCache(): layers come on use
