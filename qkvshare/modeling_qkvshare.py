@@ -445,12 +445,12 @@ class QKVShareModel(QKVSharePreTrainedModel):
         )
         self.norm = make_norm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.position_embedding_type == "rope" else None
-        # Decided once: what a QKVShareCache passed to forward must hold, and whether pre-RoPE tied layers need
-        # cos/sin at every cached position (they rotate their cached keys on read).
+        # Decided once: what a QKVShareCache passed to forward must hold, and whether some layer needs cos/sin at
+        # every cached position: pre-RoPE tied layers rotate their cached keys on read, and QV-Ka layers rotate the
+        # keys they recompute from the cache.
         self.cache_layout = CacheLayout.for_config(config)
-        self.has_pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
-        # QV-Ka with RoPE rotates the keys it recomputes from the cache at the cached positions, too.
-        self.rotates_cached_keys = self.has_pre_rope_ties or bool(config.key_context_dim)
+        pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
+        self.rotates_cached_keys = pre_rope_ties or bool(config.key_context_dim)
         self.gradient_checkpointing = False
         self.post_init()
 
