@@ -287,6 +287,7 @@ def test_cli_on_digits_resumes_and_refuses_bad_input(tmp_path, capsys):
         (["--dataset", "imagefolder"], "--dataset imagefolder needs --data_dir"),
         (["--pooling", "max"], "--pooling 'max' is not supported"),
         (["--hidden_size", "30", "--heads", "4"], "--hidden_size 30 is not divisible by --heads 4"),
+        (["--dataset", str(tmp_path / "missing")], f"--dataset {tmp_path / 'missing'}: could not load it"),
     ):
         assert vision_run.main([*argv, "--output_dir", str(tmp_path / "bad")]) == 2
         captured = capsys.readouterr()

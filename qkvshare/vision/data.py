@@ -138,10 +138,15 @@ def load_hf(
 
     datasets = require("datasets", "vision", f"qkvshare vision --dataset {name}")
     source = f"--dataset {name}"
-    if Path(name).is_dir():
-        loaded = datasets.load_from_disk(name)
-    else:
-        loaded = datasets.load_dataset(name, data_dir=data_dir)
+    try:
+        loaded = (
+            datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, data_dir=data_dir)
+        )
+    except Exception as err:  # the datasets error names the real problem; add what to do about it
+        raise ValueError(
+            f"{source}: could not load it ({type(err).__name__}: {err}); give a Hugging Face dataset name (with network "
+            "access), a save_to_disk folder, or imagefolder with --data_dir."
+        ) from err
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     if "train" not in loaded:

@@ -439,8 +439,8 @@ def run_vision(args: VisionArgs) -> VisionResult:
 
         check_extra("plots", "qkvshare vision's figures", hint="or pass --no_plots")
     out = Path(args.output_dir)
+    data_path, patch_size = prepare_data(args, out)  # before `out` exists: a dataset that fails to load leaves nothing
     out.mkdir(parents=True, exist_ok=True)
-    data_path, patch_size = prepare_data(args, out)
     cells = make_cells(args, data_path, patch_size)
     csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
     todo, skipped = pending(cells, csv_path)
