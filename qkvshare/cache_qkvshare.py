@@ -599,7 +599,8 @@ def _tensor_nbytes(value: object) -> int:
     return 0
 
 
-def _layer_nbytes(layer: CacheLayerMixin) -> int:
+def cache_layer_nbytes(layer: CacheLayerMixin) -> int:
+    """Bytes a cache layer holds, ours or transformers' (dynamic, static, sliding, quantized)."""
     if hasattr(layer, "nbytes"):  # layers that know their own size (the linear-attention state)
         return layer.nbytes()
     # Full-precision tensors (for quantized layers: the residual buffers) and, for quantized layers, quantized ones.
@@ -708,12 +709,12 @@ class QKVShareCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds: the cached states (see `layer_nbytes`) plus the positions."""
-        states = sum(_layer_nbytes(layer) for layer in self.layers)
-        return states + sum(_layer_nbytes(layer) for layer in self.position_layers.values())
+        states = sum(cache_layer_nbytes(layer) for layer in self.layers)
+        return states + sum(cache_layer_nbytes(layer) for layer in self.position_layers.values())
 
     def layer_nbytes(self, layer_idx: int) -> int:
         """Bytes held by one layer's cached states (quantized layers: packed data, scales and zero-points, residual)."""
-        return _layer_nbytes(self.layers[layer_idx])
+        return cache_layer_nbytes(self.layers[layer_idx])
 
     # ----- transformers cache operations: apply them to the positions too -----
     def reset(self) -> None:
@@ -1005,6 +1006,7 @@ register_cache_pytree_nodes()
 __all__ = [
     "QKVShareCache",
     "QKVShareStaticCache",
+    "cache_layer_nbytes",
     "QKVShareQuantizedCache",
     "TiedKVLayer",
     "TiedSlidingWindowLayer",

@@ -27,7 +27,7 @@ from qkvshare import (
     TiedStaticLayer,
     TiedStaticSlidingWindowLayer,
 )
-from qkvshare.cache_qkvshare import _layer_nbytes
+from qkvshare.cache_qkvshare import cache_layer_nbytes
 
 WINDOW = 4
 HYBRID = ["sliding_attention", "full_attention"]  # layer 0 slides, layer 1 sees everything
@@ -228,7 +228,7 @@ def test_tied_quantized_cache_equals_transformers_quantized_cache(backend):
                 atol=0,
             )
     # one quantized tensor and one residual buffer per layer against transformers' two: exactly half the bytes
-    assert ours.nbytes() * 2 == sum(_layer_nbytes(layer) for layer in theirs.layers)
+    assert ours.nbytes() * 2 == sum(cache_layer_nbytes(layer) for layer in theirs.layers)
 
 
 def test_generate_quantized_picks_the_tied_quantized_cache():

@@ -181,27 +181,14 @@ def fill_cache(row: DecodeModel, cache, batch: int, context: int, device, dtype)
         raise RuntimeError(f"the filled cache holds {held} tokens, expected {context}")
 
 
-def tensor_nbytes(t) -> int:
-    """Bytes of a tensor's storage; for tensor subclasses (quanto's packed/quantized tensors), of their inner ones."""
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is not None:
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_nbytes(getattr(t, name)) for name in names)
-    return t.numel() * t.element_size()
-
-
 def held_nbytes(cache) -> int:
-    """Bytes a cache holds: `nbytes()` when it has one (QKVShare caches), else every tensor of its layers
-    (keys, values, and a quantized layer's quantized states)."""
+    """Bytes a cache holds: `nbytes()` when it has one (QKVShare caches), else the sum over its layers (keys,
+    values, and a quantized layer's quantized states), counted as the QKVShare caches count theirs."""
     if hasattr(cache, "nbytes"):
         return int(cache.nbytes())
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            t = getattr(layer, name, None)
-            if t is not None:
-                total += tensor_nbytes(t)
-    return total
+    from qkvshare.cache_qkvshare import cache_layer_nbytes
+
+    return sum(cache_layer_nbytes(layer) for layer in cache.layers)
 
 
 def theory_nbytes(row: DecodeModel, kind: str, batch: int, slots: int, element_size: int, positions: bool) -> int:
