@@ -290,18 +290,24 @@ for auto_name in sys.argv[2:]:
     with torch.no_grad():
         hidden = model.base_model(torch.arange(3, 11)[None]).last_hidden_state
     results[auto_name] = {"class": type(model).__name__, "module": type(model).__module__, "hidden": hidden.tolist()}
+    if auto_name == "AutoModelForCausalLM":
+        out = model.generate(torch.arange(3, 11)[None], max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        results["generate"] = {"cache": type(out.cache).__name__, "tokens": out.sequences.tolist()}
 results["imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "qkvshare" and sys.modules[m] is not None)
 print(json.dumps(results))
 """
 
 
-def test_auto_map_lists_every_head_and_each_loads_without_the_package(tmp_path):
+def test_auto_map_lists_every_head_and_each_loads_and_generates_without_the_package(tmp_path):
+    """trust_remote_code in a process without the package: every head loads from the checkpoint's copied code,
+    and the causal LM generates with it."""
     torch.manual_seed(0)
     model = QKVShareForCausalLM(tiny("Q-K=V", kv_tie_point="pre_rope")).eval()
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == EXPECTED_AUTO_MAP
     with torch.no_grad():
         expected = model.model(torch.arange(3, 11)[None]).last_hidden_state
+    tokens = model.generate(torch.arange(3, 11)[None], max_new_tokens=6, do_sample=False).tolist()
     run = subprocess.run(
         [sys.executable, "-c", HEADS_SCRIPT, str(tmp_path), *TEXT_HEADS],
         capture_output=True,
@@ -311,6 +317,8 @@ def test_auto_map_lists_every_head_and_each_loads_without_the_package(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert results.pop("imported") == []
+    # generate() with the checkpoint's own code: its one-tensor cache, the tokens of the installed package.
+    assert results.pop("generate") == {"cache": "QKVShareCache", "tokens": tokens}
     assert {auto: result["class"] for auto, result in results.items()} == TEXT_HEADS
     for auto_name, result in results.items():
         assert result["module"].startswith("transformers_modules."), auto_name

@@ -257,29 +257,30 @@ def test_tiny_run_lowers_loss_and_saves_loadable_model(corpus_file, tmp_path, ca
 
 
 # --------------------------------------------------------------------------------------------------------------
-DDP_SCRIPT = textwrap.dedent(
+CAPTURE_SOURCE = textwrap.dedent(
     """
-    import json, sys
-    import torch
+    import json
     from safetensors.torch import save_file
     from qkvshare.train.args import parse_args
     from qkvshare.train.pretrain import setup, train_step
 
     def capture(args_list, out_prefix):
+        \"\"\"Two optimizer steps; write the losses and the gradients each step sees (after DDP's all-reduce).\"\"\"
         run = setup(parse_args(args_list))
         grads, losses = {}, []
         def hook(opt, *a, **k):  # runs inside optimizer.step: gradients after the DDP all-reduce
             for name, p in run.accelerator.unwrap_model(run.model).named_parameters():
                 grads[f"{len(losses)}.{name}"] = p.grad.detach().clone()
         run.optimizer.optimizer.register_step_pre_hook(hook)
-        for step in range(2):
-            losses.append(train_step(run, step)[0])
+        try:
+            for step in range(2):
+                losses.append(train_step(run, step)[0])
+        finally:
+            run.release()
         if run.accelerator.is_main_process:
             save_file(grads, out_prefix + ".safetensors")
             json.dump({"losses": losses, "num_processes": run.accelerator.num_processes,
                        "distributed_type": str(run.accelerator.distributed_type)}, open(out_prefix + ".json", "w"))
-
-    capture(sys.argv[2:], sys.argv[1])
     """
 )
 
@@ -290,34 +291,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_gloo_ranks_match_one_process(corpus_file, tmp_path):
-    script = tmp_path / "ddp_capture.py"
-    script.write_text(DDP_SCRIPT)
-    common = ["--max_steps", "2", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0", "--save_steps", "0"]
-    two = tiny_argv(corpus_file, tmp_path / "two", "--per_device_train_batch_size", "2", *common)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(script),
-        str(tmp_path / "two_ranks"),
-        *two,
-    ]
-    proc = subprocess.run(cmd, env=ENV | {"ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = tiny_argv(corpus_file, tmp_path / "one", "--per_device_train_batch_size", "4", *common)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "one_rank"), *one],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def launch(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch *args` on this machine. A launch still running after `timeout` seconds is a hang: every
+    process gets SIGABRT, so faulthandler prints where each one waits, and the test fails showing that."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--dynamo_backend", "no"]
+    cmd += ["--main_process_port", str(_free_port()), *args]
+    env = ENV | {"PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"`accelerate launch` hung ({timeout} s); stdout:\n{out[-2000:]}\nstderr:\n{err[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def without_use_cpu(argv: list[str]) -> list[str]:
+    i = argv.index("--use_cpu")
+    return argv[:i] + argv[i + 2 :]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the path of a machine without GPUs")
+def test_multi_gpu_launch_without_gpu_gives_two_gloo_ranks_that_match_one_process(corpus_file, tmp_path):
+    """`accelerate launch --multi_gpu` on a machine without GPUs trains as two real CPU ranks (not two separate
+    runs): with batch 2 each and gradient accumulation 2, every step's loss and all-reduced gradients are those of
+    one process with batch 4."""
+    script = tmp_path / "ddp_capture.py"
+    script.write_text(CAPTURE_SOURCE + "\nimport sys\ncapture(sys.argv[2:], sys.argv[1])\n")
+    common = ["--max_steps", "2", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0", "--save_steps", "0"]
+    two = without_use_cpu(tiny_argv(corpus_file, tmp_path / "two", "--per_device_train_batch_size", "2", *common))
+    ranks = ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "no"]
+    proc = launch(tmp_path, *ranks, str(script), str(tmp_path / "two_ranks"), *two)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("no GPU found: the 2 processes train as CPU ranks over gloo") == 1
+    namespace: dict = {}
+    exec(CAPTURE_SOURCE, namespace)  # the one-process reference, in this process
+    one = tiny_argv(corpus_file, tmp_path / "one", "--per_device_train_batch_size", "4", *common)
+    namespace["capture"](one, str(tmp_path / "one_rank"))
     a, b = json.loads((tmp_path / "two_ranks.json").read_text()), json.loads((tmp_path / "one_rank.json").read_text())
     assert a["num_processes"] == 2 and "MULTI" in a["distributed_type"] and b["num_processes"] == 1
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)

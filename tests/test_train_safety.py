@@ -22,7 +22,7 @@ import pytest
 import test_train
 import torch
 from safetensors.torch import load_file
-from test_train import ENV, REPO, _free_port, run_losses, tiny_argv
+from test_train import ENV, REPO, launch, run_losses, tiny_argv, without_use_cpu
 
 import qkvshare.train.pretrain as pretrain
 from qkvshare.train.checkpoint import LOCK_FILE, list_checkpoints, read_state, verify_checkpoint
@@ -463,24 +463,15 @@ def test_flash_attention_without_its_package_is_refused(corpus_file, tmp_path, c
     assert "--attn_implementation flash_attention_2 needs the package flash-attn" in capsys.readouterr().err
 
 
-def test_unknown_flag_on_the_command_line_prints_no_usage_or_traceback(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "qkvshare.train", "--output_dir", str(tmp_path / "o"), "--learning_rat", "1e-3"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    # Our whole answer is the last line; lines before it can only come from third-party imports (torchao, which
-    # executorch installs, logs about its CUDA kernels when transformers imports it).
-    *before, last = proc.stderr.splitlines()
-    assert last == (
+def test_unknown_flag_on_the_command_line_prints_no_usage_or_traceback(tmp_path, capsys):
+    # `python -m qkvshare.train` is `sys.exit(main())`: main's whole answer is this one line, status 2.
+    assert main(["--output_dir", str(tmp_path / "o"), "--learning_rat", "1e-3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
         "qkvshare train: error: unknown flag '--learning_rat' (did you mean '--learning_rate'?); "
-        "`qkvshare train --help` lists the flags."
+        "`qkvshare train --help` lists the flags.\n"
     )
-    assert proc.stderr.endswith("\n") and not any("qkvshare train" in line or "usage:" in line for line in before)
-    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_resume_below_the_checkpoint_step_is_refused_and_a_schedule_change_is_said(
@@ -560,45 +551,6 @@ def test_accelerate_recipes_load_and_name_real_classes():
 # --------------------------------------------------------------------------------------------------------------
 # Items 1 and 8: several processes (slow: each launch starts two interpreters)
 # --------------------------------------------------------------------------------------------------------------
-def _launch(tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_machines",
-        "1",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(_free_port()),
-        *args,
-    ]
-    return subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
-
-
-def _without_use_cpu(argv: list[str]) -> list[str]:
-    i = argv.index("--use_cpu")
-    return argv[:i] + argv[i + 2 :]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the path of a machine without GPUs")
-def test_multi_gpu_launch_without_gpu_trains_as_two_real_ranks(corpus_file, tmp_path):
-    out = tmp_path / "two"
-    argv = _without_use_cpu(tiny_argv(corpus_file, out, "--max_steps", "2", "--per_device_train_batch_size", "2"))
-    proc = _launch(
-        tmp_path, "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no", "-m", "qkvshare.train", *argv
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("no GPU found: the 2 processes train as CPU ranks over gloo") == 1
-    assert json.loads((out / "training_args.json").read_text())["num_processes"] == 2
-    # Real ranks: two processes with batch 2 are one process with batch 4 (separate runs would each see batch 2).
-    one = tmp_path / "one"
-    assert main(tiny_argv(corpus_file, one, "--max_steps", "2", "--per_device_train_batch_size", "4")) == 0
-    assert _metrics(out)["val_loss"] == pytest.approx(_metrics(one)["val_loss"], rel=1e-5)
-    assert _metrics(out)["tokens_seen"] == _metrics(one)["tokens_seen"] == 2 * 4 * 32
-
-
 FSDP_SCRIPT = textwrap.dedent(
     '''
     """Run `qkvshare train` under FSDP2 on CPU ranks. accelerate turns a launch into FSDP only on GPUs
@@ -639,26 +591,41 @@ FSDP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; GPUs run FSDP through accelerate directly")
-def test_fsdp2_on_two_cpu_ranks_matches_one_process_and_resumes_from_shards(corpus_file, tmp_path):
-    fsdp_yaml = str(REPO / "configs" / "accelerate" / "fsdp.yaml")
-    launch = ["--config_file", fsdp_yaml, "--num_processes", "2", "--mixed_precision", "no"]
-    common = ["--max_steps", "4", "--save_steps", "0"]
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the path of a machine without GPUs")
+def test_fsdp_recipe_without_gpus_is_refused_before_any_work(corpus_file, tmp_path, monkeypatch, capsys):
+    """The FSDP recipe as is on a machine without GPUs is refused, not silently replicated: `accelerate launch
+    --config_file fsdp.yaml` hands its choice to the processes as ACCELERATE_USE_FSDP / FSDP_* variables."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.state import AcceleratorState
+
+    recipe = load_config_from_file(str(REPO / "configs" / "accelerate" / "fsdp.yaml"))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", str(recipe.distributed_type == "FSDP").lower())
+    monkeypatch.setenv("FSDP_VERSION", str(recipe.fsdp_config["fsdp_version"]))
     out = tmp_path / "fsdp"
-    argv = _without_use_cpu(tiny_argv(corpus_file, out, "--per_device_train_batch_size", "2", *common))
-    # The recipe as is on a machine without GPUs: refused, not silently replicated.
-    proc = _launch(tmp_path, *launch, "-m", "qkvshare.train", *argv)
-    assert proc.returncode != 0 and "FSDP was asked for (--use_fsdp" in proc.stderr
+    try:
+        assert main(without_use_cpu(tiny_argv(corpus_file, out)), on_step=lambda *a: pytest.fail("trained")) == 2
+    finally:  # the refused run's FSDP plugin stays in accelerate's process-wide state: later runs here start afresh
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert "FSDP was asked for (--use_fsdp, e.g. configs/accelerate/fsdp.yaml)" in capsys.readouterr().err
     assert not out.exists()
 
+
+def test_fsdp2_on_two_cpu_ranks_matches_one_process_and_resumes_from_shards(corpus_file, tmp_path):
+    fsdp_yaml = str(REPO / "configs" / "accelerate" / "fsdp.yaml")
+    recipe = ["--config_file", fsdp_yaml, "--num_processes", "2", "--mixed_precision", "no"]
+    common = ["--max_steps", "4", "--save_steps", "0"]
+    out = tmp_path / "fsdp"
+    argv = without_use_cpu(tiny_argv(corpus_file, out, "--per_device_train_batch_size", "2", *common))
     script, log = tmp_path / "fsdp_cpu.py", tmp_path / "steps.jsonl"
     script.write_text(FSDP_SCRIPT)
-    proc = _launch(tmp_path, *launch, str(script), str(log), "2", *argv)
+    proc = launch(tmp_path, *recipe, str(script), str(log), "2", *argv)
     assert "SIGTERM received: stopped after step 2 of 4" in proc.stderr, proc.stderr[-3000:]
     shards = out / "checkpoints" / "checkpoint-2"
     assert verify_checkpoint(shards) is None and read_state(shards)["global_batch_blocks"] == 4
     assert len(list((shards / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2  # one shard file per rank
-    proc = _launch(tmp_path, *launch, str(script), str(log), "0", *argv, "--resume_from_checkpoint", "latest")
+    proc = launch(tmp_path, *recipe, str(script), str(log), "0", *argv, "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "training_args.json").read_text())["num_processes"] == 2
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert {(s["class"], s["param"]) for s in steps} == {("FSDPQKVShareForCausalLM", "DTensor")}  # really sharded

@@ -38,20 +38,38 @@ class OfflineTask:
     fewshot_split: str  # the official task's training_split (few-shot examples are drawn from it)
     eval_split: str  # the official task's test_split, else validation_split (the split that is scored)
     fields: tuple[str, ...]  # fields of the official row schema that the task's prompt code reads
+    folder: str  # the folder of lm_eval/tasks that holds the task's YAML (and its prompt code)
 
 
 OFFLINE_TASKS: dict[str, OfflineTask] = {
     t.name: t
     for t in (
         OfflineTask(
-            "hellaswag", "HellaSwag", "train", "validation", ("activity_label", "ctx_a", "ctx_b", "endings", "label")
+            "hellaswag",
+            "HellaSwag",
+            "train",
+            "validation",
+            ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+            "hellaswag",
         ),
-        OfflineTask("piqa", "PIQA", "train", "validation", ("goal", "sol1", "sol2", "label")),
-        OfflineTask("arc_easy", "ARC-E", "train", "test", ("question", "choices", "answerKey")),
-        OfflineTask("arc_challenge", "ARC-C", "train", "test", ("question", "choices", "answerKey")),
-        OfflineTask("winogrande", "WinoGrande", "train", "validation", ("sentence", "option1", "option2", "answer")),
+        OfflineTask("piqa", "PIQA", "train", "validation", ("goal", "sol1", "sol2", "label"), "piqa"),
+        OfflineTask("arc_easy", "ARC-E", "train", "test", ("question", "choices", "answerKey"), "arc"),
+        OfflineTask("arc_challenge", "ARC-C", "train", "test", ("question", "choices", "answerKey"), "arc"),
+        OfflineTask(
+            "winogrande",
+            "WinoGrande",
+            "train",
+            "validation",
+            ("sentence", "option1", "option2", "answer"),
+            "winogrande",
+        ),
     )
 }
+
+
+def offline_folders(tasks: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The lm_eval/tasks folders that hold the official YAMLs of these offline tasks (sorted, no repeats)."""
+    return tuple(sorted({OFFLINE_TASKS[task].folder for task in tasks}))
 
 
 def data_file(data_dir: Path, task: str, split: str) -> Path:
