@@ -44,6 +44,8 @@ def test_qv_ka_variant_names_and_validation():
         tiny("QV-Ka", projection_sharing="kv")
     with pytest.raises(ValueError, match="num_key_value_heads=2 .*needs num_attention_heads=4"):
         tiny("QV-Ka", num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"sliding_window=4 \(the cache of G and V has no sliding form\)"):
+        tiny("QV-Ka", sliding_window=4)
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])  # without and with biases
@@ -122,6 +124,9 @@ def test_qv_ka_generate_and_save_load(tmp_path):
     loaded = QKVShareForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.key_context_dim == 16
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # The quantized cache quantizes keys and values; a QV-Ka layer caches G and V: refused, naming what works.
+    with pytest.raises(ValueError, match=r"QV-Ka \(key_context_dim\) or sliding-window layers; use QKVShareCache"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="quantized")
 
 
 # ---------------------------------------------------------------- ALiBi
