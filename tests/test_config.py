@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from test_train import _free_port, run_ranks
 from torch import nn
 from transformers import AutoConfig
 from transformers.distributed.parallel_utils import _get_parameter_plan
@@ -258,8 +259,16 @@ def test_tensor_parallel_on_two_cpu_ranks_gives_the_unsharded_logits(tmp_path):
         with torch.no_grad():
             expected[path] = (model(torch.arange(3, 19)[None]).logits, model.config.num_key_value_heads * 16)
     (tmp_path / "tp.py").write_text(TP_SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(tmp_path / "tp.py")]
-    run = subprocess.run([*command, *expected], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+    ]
+    run = run_ranks([*command, str(tmp_path / "tp.py"), *expected], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     for path, (logits, k_rows) in expected.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -291,14 +292,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`accelerate launch *args` on this machine. A launch still running after `timeout` seconds is a hang: every
-    process gets SIGABRT, so faulthandler prints where each one waits, and the test fails showing that."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--dynamo_backend", "no"]
-    cmd += ["--main_process_port", str(_free_port()), *args]
-    env = ENV | {"PYTHONFAULTHANDLER": "1"}
+def run_ranks(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a multi-process launch (`accelerate launch`, `torchrun`). One still running after `timeout` seconds is a
+    hang: every process gets SIGABRT, so faulthandler prints where each one waits, and the test fails showing that."""
     proc = subprocess.Popen(
-        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=ENV | {"PYTHONFAULTHANDLER": "1"},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -309,8 +313,14 @@ def launch(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedPro
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        pytest.fail(f"`accelerate launch` hung ({timeout} s); stdout:\n{out[-2000:]}\nstderr:\n{err[-12000:]}")
+        pytest.fail(f"{shlex.join(cmd[:4])} ... hung ({timeout} s); stdout:\n{out[-2000:]}\nstderr:\n{err[-12000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def launch(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch *args` on this machine, on a free port (see `run_ranks` for a hang)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--dynamo_backend", "no"]
+    return run_ranks([*cmd, "--main_process_port", str(_free_port()), *args], cwd, timeout)
 
 
 def without_use_cpu(argv: list[str]) -> list[str]:
