@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import transformers.integrations.sdpa_attention
 from test_core import VOCAB, tiny
 from transformers import CompileConfig
 
@@ -26,6 +27,7 @@ from qkvshare.export import (
     to_executorch,
     to_onnx,
 )
+from qkvshare.modeling_qkvshare import grouped_decode_sdpa
 
 SLOTS = 16  # max_cache_len
 PROMPT, NEW = 5, 6
@@ -77,6 +79,42 @@ def test_decode_step_compiles_to_one_graph_and_matches_eager(name, prompt):
     assert caches[0].get_seq_length() == PROMPT + 3
     for ours, theirs in zip(caches[0].layers, caches[1].layers):
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=1e-5)
+
+
+def test_grouped_decode_sdpa_equals_attention_over_repeated_heads():
+    torch.manual_seed(0)
+    batch, heads, kv_heads, slots, dim = 2, 6, 2, 9, 8
+    query = torch.randn(batch, heads, 1, dim)
+    key, value = torch.randn(batch, kv_heads, slots, dim), torch.randn(batch, kv_heads, slots, dim)
+    filled = torch.arange(slots) < 7
+    masks = {
+        "bool, shared by the heads": filled.expand(batch, 1, 1, slots),
+        "float, per head (ALiBi)": torch.randn(batch, heads, 1, slots).masked_fill(~filled, torch.finfo().min),
+    }
+    for name, mask in masks.items():
+        full_key, full_value = key.repeat_interleave(3, dim=1), value.repeat_interleave(3, dim=1)
+        expected = torch.nn.functional.scaled_dot_product_attention(query, full_key, full_value, attn_mask=mask)
+        out = grouped_decode_sdpa(query, key, value, mask, dim**-0.5)
+        assert out.shape == (batch, 1, heads, dim), name
+        torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=1e-6, msg=name)
+
+
+def test_compiled_grouped_decode_step_reads_the_cache_without_repeating_it(prompt, monkeypatch):
+    """transformers' sdpa copies the cache to every query head while dynamo traces (`repeat_kv`); ours must not."""
+    model = build("learned")  # one key/value head for 4 query heads in its tied layer
+    cache = QKVShareStaticCache(model.config, max_cache_len=SLOTS)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        expected = model(prompt[:, -1:], cache=copy.deepcopy(cache), use_cache=True).logits
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("repeat_kv called on the decode path")
+
+        monkeypatch.setattr(transformers.integrations.sdpa_attention, "repeat_kv", refuse)
+        step = torch.compile(
+            lambda ids: model(ids, cache=cache, use_cache=True).logits, fullgraph=True, backend="eager"
+        )
+        torch.testing.assert_close(step(prompt[:, -1:]), expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
