@@ -321,8 +321,9 @@ class TiedQuantoQuantizedLayer(TiedQuantizedLayerMixin, QuantoQuantizedLayer):
 
 
 class TiedHQQQuantizedLayer(TiedQuantizedLayerMixin, HQQQuantizedLayer):
-    """Quantized (HQQ) cache layer for a tied-K/V attention layer: one quantized tensor. Untested here (HQQ is not
-    installed in the project's environment)."""
+    """Quantized (HQQ, int1-4 and int8) cache layer for a tied-K/V attention layer: one quantized tensor. Not in the
+    test suite (hqq is not a test dependency: installed, transformers imports it in every process); checked by
+    `qkvshare bench --decode` (int8 cells: bytes equal theory) and the README's HQQ measurements."""
 
 
 class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
@@ -820,8 +821,8 @@ class QKVShareQuantizedCache(QKVShareCache):
     Args:
         config: the model's `QKVShareConfig`; every layer must be a softmax, full-attention layer (as transformers'
             `QuantizedCache` requires).
-        backend: "quanto" (optimum-quanto, int2/int4, runs on CPU), "hqq" (needs the hqq package) or "fp8"
-            (float8 e4m3, one scale per tensor).
+        backend: "quanto" (optimum-quanto, int2/int4, runs on CPU), "hqq" (the hqq package; int1-4 and int8, runs
+            on CPU) or "fp8" (float8 e4m3, one scale per tensor).
         nbits, axis_key, axis_value, q_group_size, residual_length: the group-wise options of the quanto and HQQ
             layers (None: transformers' defaults, 4 bits, axis 0, groups of 64, 128 residual tokens); fp8 takes none.
 
@@ -871,11 +872,15 @@ class QKVShareQuantizedCache(QKVShareCache):
                 "(key_context_dim) or sliding-window layers; use "
                 "QKVShareCache or QKVShareStaticCache (generate with cache_implementation='dynamic' or 'static')."
             )
-        packages = {"quanto": ("optimum-quanto", is_optimum_quanto_available), "hqq": ("hqq", is_hqq_available)}
+        packages = {  # backend: (package, is it installed, how to install it)
+            "quanto": ("optimum-quanto", is_optimum_quanto_available, 'pip install "qkvshare[quantized]"'),
+            "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: see the README
+        }
         if backend in packages and not packages[backend][1]():
+            package, _, install = packages[backend]
             raise ImportError(
-                f"QKVShareQuantizedCache: backend={backend!r} needs the {packages[backend][0]} package, which is not "
-                f'installed: pip install "qkvshare[quantized]" (or pip install {packages[backend][0]}).'
+                f"QKVShareQuantizedCache: backend={backend!r} needs the {package} package, which is not installed: "
+                f"{install}."
             )
         self.backend: str = backend
         self.layer_options: dict[str, int] = given  # passed to every quantized layer

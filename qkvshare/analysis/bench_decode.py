@@ -10,7 +10,9 @@ Method (printed above the table)
 - Cache kinds, each built the way `generate()` builds it (`model._prepare_cache_for_generation`), so a model
   that picks its own cache for a `cache_implementation` is measured with that cache: dynamic (no
   `cache_implementation`), static, static + `torch.compile(fullgraph=True)` of the decode step, quantized
-  (`cache_implementation="quantized"`, `cache_config={"backend": "quanto", "nbits": 4 or 8}`).
+  (`cache_implementation="quantized"`: int4 with `cache_config={"backend": "quanto", "nbits": 4}`, int8 with
+  `{"backend": "hqq", "nbits": 8}`, as transformers' quanto backend takes 2 and 4 bits only; int8 needs the `hqq`
+  package, and its cells are n/a without it).
 - A decode step at context C does not need a C-token prefill: the cache is filled to C tokens directly, through
   its own `update()` (one random (B, H_kv, C, D) tensor per layer, one tensor for tied layers of the QKVShare
   caches, positions recorded when the cache tracks them), so it has its real layout and size. Then one untimed
@@ -50,7 +52,7 @@ CACHE_KINDS: dict[str, tuple[str | None, dict | None, bool]] = {
     "static": ("static", None, False),
     "static+compile": ("static", None, True),
     "quantized-int4": ("quantized", {"backend": "quanto", "nbits": 4}, False),
-    "quantized-int8": ("quantized", {"backend": "quanto", "nbits": 8}, False),
+    "quantized-int8": ("quantized", {"backend": "hqq", "nbits": 8}, False),  # quanto: 2 and 4 bits only
 }
 # Which cache kinds each model row gets by default (the issue's table; Llama also gets the quantized kinds, the
 # reference of the tied rows there).
