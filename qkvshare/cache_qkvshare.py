@@ -872,12 +872,12 @@ class QKVShareQuantizedCache(QKVShareCache):
                 "(key_context_dim) or sliding-window layers; use "
                 "QKVShareCache or QKVShareStaticCache (generate with cache_implementation='dynamic' or 'static')."
             )
-        packages = {  # backend: (package, is it installed, how to install it)
+        packages = {  # backend: (package, is it installed, how to install it); fp8 needs none
             "quanto": ("optimum-quanto", is_optimum_quanto_available, 'pip install "qkvshare[quantized]"'),
             "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: see the README
         }
-        if backend in packages and not packages[backend][1]():
-            package, _, install = packages[backend]
+        package, installed, install = packages.get(backend, ("", None, ""))
+        if installed is not None and not installed():
             raise ImportError(
                 f"QKVShareQuantizedCache: backend={backend!r} needs the {package} package, which is not installed: "
                 f"{install}."

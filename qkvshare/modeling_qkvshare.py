@@ -45,6 +45,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.integrations.sdpa_attention import pack_gqa
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import (
     GenericForSequenceClassification,
@@ -156,13 +157,10 @@ def grouped_decode_sdpa(
     eager mode but, while dynamo traces (torch.compile, torch.export), falls back to `repeat_kv`, which copies the
     whole cache to every query head in every layer and step (5x Llama's decode time at batch 8 and 16k context).
     """
-    batch, heads, _, dim = query.shape
-    groups = heads // key.shape[1]
-    query = query.reshape(batch, heads // groups, groups, dim)
-    if mask.shape[1] != 1:  # a per-head bias (ALiBi): (B, H, 1, S) -> (B, H_kv, G, S), as the query rows
-        mask = mask.reshape(batch, heads // groups, groups, mask.shape[-1])
+    heads, groups = query.shape[1], query.shape[1] // key.shape[1]
+    # transformers' own packing: the query, and a per-head mask (ALiBi: (B, H, 1, S) -> (B, H_kv, G, S)) with it
     output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, is_causal=False
+        pack_gqa(query, groups), key, value, attn_mask=pack_gqa(mask, groups), scale=scaling, is_causal=False
     )
     return output.reshape(output.shape[0], heads, 1, value.shape[-1]).transpose(1, 2).contiguous()
 
