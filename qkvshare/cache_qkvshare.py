@@ -183,10 +183,21 @@ class TiedStaticLayer(OneTensorLayerMixin, StaticLayer):
     """Static cache layer for a tied-K/V attention layer: one preallocated buffer instead of transformers' two.
 
     State: `keys` (B, H_kv, max_cache_len, D), allocated (zeros) on the first update and written in place at the
-    slots of the new tokens; returned as both key and value. `values` stays None. `cumulative_length` (a 0-d tensor,
-    as in `StaticLayer`) counts the tokens written; slots beyond it are hidden by the mask (its key length is
-    `max_cache_len`, see `StaticLayer.get_mask_sizes`).
+    slots of the new tokens; returned as both key and value. `values` is that same buffer (the value is the key), so
+    code that reads a static layer's `values`, as transformers' does, sees the cached values without a second
+    buffer. `cumulative_length` (a 0-d tensor, as in `StaticLayer`) counts the tokens written; slots beyond it are
+    hidden by the mask (its key length is `max_cache_len`, see `StaticLayer.get_mask_sizes`).
     """
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The one buffer, read as the values (None before the first update)."""
+        return self.keys
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None and value is not self.keys:
+            raise ValueError(f"{type(self).__name__} stores one tensor: its values are its keys, not a second tensor.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         # StaticLayer's own initialization would allocate a second (value) buffer: same steps, one buffer.
@@ -607,12 +618,14 @@ def _tensor_nbytes(value: object) -> int:
 
 
 def cache_layer_nbytes(layer: CacheLayerMixin) -> int:
-    """Bytes a cache layer holds, ours or transformers' (dynamic, static, sliding, quantized)."""
+    """Bytes a cache layer holds, ours or transformers' (dynamic, static, sliding, quantized); a tensor held under two
+    names (a static tied layer's keys and values) counts once."""
     if hasattr(layer, "nbytes"):  # layers that know their own size (the linear-attention state)
         return layer.nbytes()
     # Full-precision tensors (for quantized layers: the residual buffers) and, for quantized layers, quantized ones.
     held = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(_tensor_nbytes(getattr(layer, name, None)) for name in held)
+    unique = {id(value): value for value in (getattr(layer, name, None) for name in held) if value is not None}
+    return sum(_tensor_nbytes(value) for value in unique.values())
 
 
 class Rotation(NamedTuple):
@@ -1075,7 +1088,7 @@ _LAYER_STATE: dict[type[CacheLayerMixin], tuple[str, ...]] = {
     DynamicLayer: ("keys", "values"),
     TiedKVLayer: ("keys", "values"),
     StaticLayer: ("keys", "values", "cumulative_length"),
-    TiedStaticLayer: ("keys", "values", "cumulative_length"),
+    TiedStaticLayer: ("keys", "cumulative_length"),  # its values are its keys
     ContextValueLayer: ("keys", "values"),
     ContextValueStaticLayer: ("keys", "values", "cumulative_length"),
     LinearAttentionStateLayer: ("state", "normalizer"),

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
@@ -726,11 +727,24 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         )
 
 
-class QKVShareForSequenceClassification(GenericForSequenceClassification, QKVSharePreTrainedModel):
+class _BaseModelFromConfig:
+    """transformers' generic heads build their base model with `AutoModel.from_config(config)`, which passes no
+    trust_remote_code. Where this file runs as a checkpoint's own code (the package not installed), the config's class
+    is one transformers made from that code, unknown to AutoModel, so a head loaded first in a process would be
+    refused as untrusted remote code. Registering the config class in use makes the lookup local."""
+
+    def __init__(self, config: QKVShareConfig):
+        AutoModel.register(type(config), QKVShareModel, exist_ok=True)
+        super().__init__(config)
+
+
+class QKVShareForSequenceClassification(
+    _BaseModelFromConfig, GenericForSequenceClassification, QKVSharePreTrainedModel
+):
     """Sequence classification head (last non-pad token, or every token pooled by transformers' rules)."""
 
 
-class QKVShareForTokenClassification(GenericForTokenClassification, QKVSharePreTrainedModel):
+class QKVShareForTokenClassification(_BaseModelFromConfig, GenericForTokenClassification, QKVSharePreTrainedModel):
     """Per-token classification head; with `is_causal=False` a bidirectional encoder (the synthetic tasks)."""
 
 
