@@ -670,10 +670,13 @@ def load_source(source: str, dtype: torch.dtype | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qkvshare.model_dir import check_weights_fit_config
+
     dtype = dtype or torch.float32
     check_architecture(read_source_config(source))  # before reading any weight
     path = _check_source_path(source)
     if path.is_dir():
+        check_weights_fit_config(path, model_class=AutoModelForCausalLM, label=f"SRC {source!r}")
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     plain_config = copy.deepcopy(loaded.config)
