@@ -526,6 +526,9 @@ def test_dtype_names_are_the_same_in_every_command(capsys):
         ("d.jsonl", b'{"text": "fine"}\n{"text": "cut off\n', "line 2 is not valid JSON"),
         ("d.txt", b"good text\n\xff\xfe binary\n", "is not valid UTF-8 at line 2 (byte offset 10"),
         ("d.txt", b"text\x00with a NUL\n", "holds a NUL byte at line 1 (byte offset 4)"),
+        ("d.txt", b"", "holds no text (the file is empty or has only whitespace)"),
+        ("d.txt", b" \n\n\t\n", "holds no text (the file is empty or has only whitespace)"),
+        ("d.jsonl", b"\n\n", "holds no text (the file is empty or has no line with a non-empty 'text')"),
     ],
 )
 def test_perplexity_damaged_text_file_is_named_before_loading(name, content, message, checkpoint, tmp_path, capsys):

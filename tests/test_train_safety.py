@@ -265,7 +265,7 @@ def test_overwrite_output_dir_checks_every_input_before_deleting(corpus_file, fi
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"text": "a few words only"}) + "\n" + json.dumps({"text": "and a second one"}) + "\n")
     bad = {
-        "has no documents": tiny_argv(empty, out),
+        f"--train_file {str(empty)!r} holds no text": tiny_argv(empty, out),
         "tokenizer has 320 tokens but vocab_size=64": tiny_argv(
             corpus_file, out, "--config_overrides", "vocab_size=64"
         ),
