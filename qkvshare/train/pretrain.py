@@ -776,7 +776,7 @@ def save_final_model(run: Run, result: dict[str, Any]) -> None:
             }
             (out / "training_args.json").write_text(json.dumps(resolved, indent=2))
         except (OSError, RuntimeError) as err:
-            failure = describe_write_error(err)
+            failure = describe_write_error(err, out)
     failure = first_message(acc, failure)
     if failure is not None:
         found = list_checkpoints(out)
