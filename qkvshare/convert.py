@@ -726,7 +726,9 @@ def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_siz
     eos = tokenizer.eos_token_id
     stream: list[int] = []
     for text in documents:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        # verbose=False: a document longer than the model's context is expected here (it is cut into blocks).
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        stream += ids + ([eos] if eos is not None else [])
         if len(stream) >= wanted:
             break
     usable = min(len(stream), wanted) // block_size * block_size
