@@ -233,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     if message:
         print(f"qkvshare {name}: error: {message}", file=sys.stderr)
         return 2
-    # Step 3: the real imports from here on (`import qkvshare` registers the Auto classes).
+    # Step 3: the real imports from here on (`import qkvshare` registers the Auto classes); first, the filter of
+    # known harmless log lines of optional dependencies, which that import would print (see qkvshare.quiet).
+    with light_imports("qkvshare.quiet"):
+        importlib.import_module("qkvshare.quiet").hide_known_harmless_logs()
     extras = importlib.import_module("qkvshare._extras")
     try:
         return int(_resolve(command.run)(rest) or 0)

@@ -673,10 +673,13 @@ def load_source(source: str, dtype: torch.dtype | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qkvshare.model_dir import check_weights_fit_config
+
     dtype = dtype or torch.float32
     check_architecture(read_source_config(source))  # before reading any weight
     path = _check_source_path(source)
     if path.is_dir():
+        check_weights_fit_config(path, model_class=AutoModelForCausalLM, label=f"SRC {source!r}")
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     plain_config = copy.deepcopy(loaded.config)
@@ -726,7 +729,9 @@ def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_siz
     eos = tokenizer.eos_token_id
     stream: list[int] = []
     for text in documents:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        # verbose=False: a document longer than the model's context is expected here (it is cut into blocks).
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        stream += ids + ([eos] if eos is not None else [])
         if len(stream) >= wanted:
             break
     usable = min(len(stream), wanted) // block_size * block_size

@@ -22,6 +22,7 @@ Design notes
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -260,9 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     """`qkvshare export MODEL_DIR --format executorch|onnx`: write the program, print its size and cache bytes, and
     compare its greedy tokens with the model's. Returns 0, or 1 when the tokens differ."""
     from .export_args import parse_args
+    from .model_dir import check_weights_fit_config
     from .modeling_qkvshare import QKVShareForCausalLM
 
     args = parse_args(argv)
+    try:
+        check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
+    except ValueError as err:
+        print(f"qkvshare export: error: {err}", file=sys.stderr)
+        return 2
     model = QKVShareForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa").eval()
     config = model.config
     decoder = StaticCacheDecoder(model, max_cache_len=args.max_cache_len, batch_size=args.batch_size)

@@ -432,7 +432,7 @@ def _bad_inputs(corpus: Path, tmp: Path, finished: Path) -> dict[str, tuple[list
     new = tmp / "new"
     return {
         "missing dataset": (tiny_argv(tmp / "nope.jsonl", new), "does not exist"),
-        "empty dataset": (tiny_argv(empty, new), "has no documents"),
+        "empty dataset": (tiny_argv(empty, new), f"--train_file {str(empty)!r} holds no text"),
         "unknown hub dataset": (
             [
                 "--preset",

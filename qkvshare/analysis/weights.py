@@ -64,22 +64,14 @@ def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]
     return layers
 
 
-def layer_modes(config: dict[str, Any], layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
-    """Sharing mode per layer: from a QKVShare config, checked against (else inferred from) the tensors present."""
+def layer_modes(layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
+    """Sharing mode per layer, inferred from the tensors present (`analyze` checked them against the config)."""
     modes = {}
     for i, projs in layers.items():
         present = frozenset(projs)
         if present not in _MODE_BY_PRESENT:
             raise ValueError(f"layer {i} has projections {sorted(present)}; expected q,k,v / k,v / q,k / k.")
-        inferred = _MODE_BY_PRESENT[present]
-        if config.get("model_type") == "qkvshare":
-            per_layer = config.get("layer_projection_sharing")
-            declared = per_layer[i] if per_layer else config.get("projection_sharing", "none")
-            if declared != inferred:
-                raise ValueError(
-                    f"layer {i}: config says projection_sharing={declared!r} but the weights are {inferred!r}."
-                )
-        modes[i] = inferred
+        modes[i] = _MODE_BY_PRESENT[present]
     return modes
 
 
@@ -134,8 +126,11 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
             "[G ; V_i] W_i^K, computed from the context and the value), so W_q/W_k/W_v cosines and ranks are not "
             "defined for it; analyze the other variants."
         )
+    from qkvshare.model_dir import check_weights_fit_config
+
+    check_weights_fit_config(model_dir)  # a config.json from another model: every odd tensor named, none read
     layers = load_qkv_weights(model_dir)
-    modes = layer_modes(config, layers)
+    modes = layer_modes(layers)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads

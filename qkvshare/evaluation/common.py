@@ -168,7 +168,8 @@ def check_causal_lm(name: str, trust_remote_code: bool = False):
 
     Raises `EvalInputError` for a missing directory, a directory without `config.json`, a damaged config, a hub
     id that cannot be resolved, a config that is not a decoder-only language model (e.g. a BERT or a
-    bidirectional QKVShare encoder), or missing, truncated or damaged weights (see `weight_files`).
+    bidirectional QKVShare encoder), missing, truncated or damaged weights (see `weight_files`), or weights that
+    do not fit the model the config builds (`qkvshare.model_dir.check_weights_fit_config`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -201,6 +202,9 @@ def check_causal_lm(name: str, trust_remote_code: bool = False):
         )
     if path.exists():
         weight_files(path)  # a missing, truncated or damaged weights file: named now, before any model loads
+        from qkvshare.model_dir import check_weights_fit_config
+
+        check_weights_fit_config(path, config, AutoModelForCausalLM, f"model {name!r}", EvalInputError)
     return config
 
 

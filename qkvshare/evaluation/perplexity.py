@@ -148,7 +148,8 @@ def pack(texts: list[str], tokenizer) -> torch.Tensor:
     if eos is None:
         raise EvalInputError("the tokenizer has no EOS token, which separates packed documents; set eos_token.")
     ids = [eos]
-    for ids_doc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+    # verbose=False: no "sequence length is longer than the specified maximum" warning; windows handle long texts.
+    for ids_doc in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
         ids += ids_doc + [eos]
     return torch.tensor(ids, dtype=torch.long)
 

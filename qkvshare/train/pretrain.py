@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.model_dir import check_weights_fit_config
 
 from .args import Arguments, TrainingSetupError, check_args, parse_args, parse_config_overrides
 from .checkpoint import (
@@ -294,6 +295,8 @@ def build_model_config(args: Arguments) -> tuple[QKVShareConfig, dict[str, Any],
     overrides = parse_config_overrides(m.config_overrides)
     if m.init_from is not None:  # the directory's config as saved (check_args refused --variant/--config_overrides)
         config = QKVShareConfig.from_pretrained(m.init_from)
+        label = f"--init_from {m.init_from!r}"
+        check_weights_fit_config(m.init_from, config, QKVShareForCausalLM, label, TrainingSetupError)
     else:
         config = build_config(m.preset, m.variant, overrides)
     block_size = d.block_size or min(1024, config.max_position_embeddings)
@@ -773,7 +776,7 @@ def save_final_model(run: Run, result: dict[str, Any]) -> None:
             }
             (out / "training_args.json").write_text(json.dumps(resolved, indent=2))
         except (OSError, RuntimeError) as err:
-            failure = describe_write_error(err)
+            failure = describe_write_error(err, out)
     failure = first_message(acc, failure)
     if failure is not None:
         found = list_checkpoints(out)
