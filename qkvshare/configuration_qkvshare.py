@@ -764,6 +764,13 @@ class QKVShareConfig(PreTrainedConfig):
         )
 
     @property
+    def adds_score_bias(self) -> bool:
+        """Whether attention adds a float bias to its scores, folded into the attention mask: the "+" map's P.w + b,
+        or ALiBi's -slope * distance. Such a mask must be materialized (no is_causal shortcut), needs a backend that
+        takes a float mask (eager, sdpa), and scores each cached key by its position."""
+        return self.attention_map_pe_dim > 0 or self.position_embedding_type == "alibi"
+
+    @property
     def needs_key_positions(self) -> bool:
         """Whether attention needs the positions of cached keys (the "+" map, pre-RoPE tied layers, ALiBi's
         distance bias, or QV-Ka with RoPE, whose keys are recomputed and rotated on read)."""
@@ -860,13 +867,13 @@ class QKVShareConfig(PreTrainedConfig):
                 f"{', '.join(map(repr, LLAMA_ARCHITECTURES))} (same attention, RMSNorm, SwiGLU and RoPE)."
             )
         cls.check_field_names(overrides, "QKVShareConfig.from_llama")
-        if not hasattr(config_or_dict, "to_dict"):  # a config.json: fields it leaves out take transformers' defaults
-            d = CONFIG_MAPPING[model_type](**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
-        heads = d["num_attention_heads"]
         rope = d.get("rope_parameters")
         if not rope:  # config.json of transformers < 5: rope_theta and rope_scaling
             rope = dict(d.get("rope_scaling") or {}, rope_theta=d.get("rope_theta", 10000.0))
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        if not hasattr(config_or_dict, "to_dict"):  # a config.json: fields it leaves out take transformers' defaults
+            d = CONFIG_MAPPING[model_type](**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
+        heads = d["num_attention_heads"]
         fields = dict(
             ARCHITECTURE_STYLES["llama"],
             vocab_size=d["vocab_size"],

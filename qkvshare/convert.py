@@ -121,9 +121,12 @@ def plan_conversion(
             "checkpoint; convert to the variant without '+' (its weights would start untrained)."
         )
     if config.num_key_value_heads > source_kv:
+        why = ""
+        if any(config.is_query_key_tied(i) for i in range(config.num_hidden_layers)):
+            why = " (Q=K makes every query head a key head: it needs num_key_value_heads == num_attention_heads)"
         raise ValueError(
             f"variant={variant!r} needs {config.num_key_value_heads} key/value heads but the source has {source_kv} "
-            f"({shape}); a conversion can pool heads, not invent them. Choose at most {source_kv} (e.g. "
+            f"({shape}){why}; a conversion can pool heads, not invent them. Choose at most {source_kv} (e.g. "
             "Q-K=V, which keeps the source's heads, Q-MQA or MQA)."
         )
     layers = range(config.num_hidden_layers)
