@@ -5,24 +5,26 @@ without torch; every other flag goes to `qkvshare train` unchanged. The comparis
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from .conventions import PRESET_HELP, HelpFormatter, check_nonempty, slug
 
-# Sized for about 30 minutes on 2 otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256
-# tokens (1.02M tokens) per variant. The `small` preset trained at about 6k tokens/s on 2 idle cores here (0.08 s
-# per 512-token step), so about 3 minutes per variant, plus half a minute of tokenization each.
-DEFAULTS = dict(
-    preset="small",
-    max_steps=500,
-    per_device_train_batch_size=8,
-    block_size=256,
-    learning_rate=1e-3,
-    warmup_steps=50,
-    seed=0,
-    eval_steps=500,
-    save_steps=100,
-    max_eval_samples=200,
-)
+# The trainer flags every variant gets with the same value: flag -> (default, help). Sized for about 30 minutes on 2
+# otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256 tokens (1.02M tokens) per variant.
+# The `small` preset trained at about 6k tokens/s on 2 idle cores here (0.08 s per 512-token step), so about 3
+# minutes per variant, plus half a minute of tokenization each.
+SHARED_TRAIN_FLAGS: dict[str, tuple[Any, str]] = {
+    "preset": ("small", PRESET_HELP),
+    "max_steps": (500, "optimizer steps per variant"),
+    "per_device_train_batch_size": (8, "blocks per step and device"),
+    "block_size": (256, "tokens per block"),
+    "learning_rate": (1e-3, "peak learning rate"),
+    "warmup_steps": (50, "linear warmup steps"),
+    "seed": (0, "initialisation and data-order seed"),
+    "eval_steps": (500, "validation period (steps)"),
+    "save_steps": (100, "checkpoint period (resume unit)"),
+    "max_eval_samples": (200, "validation blocks (the same for every variant)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,26 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--variants", nargs="*", help="default: QKV, Q-K=V, Q=K-V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
     p.add_argument("--output_dir", default="outputs/compare", help="runs/<variant>/, logs/, the table and the plot")
-    p.add_argument("--preset", default=DEFAULTS["preset"], help=PRESET_HELP)
-    p.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"], help="optimizer steps per variant")
-    p.add_argument(
-        "--per_device_train_batch_size",
-        type=int,
-        default=DEFAULTS["per_device_train_batch_size"],
-        help="blocks per step and device",
-    )
-    p.add_argument("--block_size", type=int, default=DEFAULTS["block_size"], help="tokens per block")
-    p.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"], help="peak learning rate")
-    p.add_argument("--warmup_steps", type=int, default=DEFAULTS["warmup_steps"], help="linear warmup steps")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="initialisation and data-order seed")
-    p.add_argument("--eval_steps", type=int, default=DEFAULTS["eval_steps"], help="validation period (steps)")
-    p.add_argument("--save_steps", type=int, default=DEFAULTS["save_steps"], help="checkpoint period (resume unit)")
-    p.add_argument(
-        "--max_eval_samples",
-        type=int,
-        default=DEFAULTS["max_eval_samples"],
-        help="validation blocks (the same for every variant)",
-    )
+    for name, (default, help_) in SHARED_TRAIN_FLAGS.items():
+        p.add_argument(f"--{name}", type=type(default), default=default, help=help_)
     p.add_argument(
         "--position_types",
         nargs="*",

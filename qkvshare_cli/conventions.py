@@ -79,6 +79,15 @@ def add_dtype_argument(parser: argparse.ArgumentParser, default: str, help: str)
     )
 
 
+def add_model_loading_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> None:
+    """Add the flags of a command that loads saved causal LMs (`eval`, `perplexity`): where and in which dtype, with
+    which tokenizer, and whether hub code may run."""
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
+    add_dtype_argument(parser, "float32", "weights and activations; auto: as saved")
+    parser.add_argument("--tokenizer", default=None, help=tokenizer_help)
+    parser.add_argument("--trust_remote_code", action="store_true", help="for hub models whose code is not installed")
+
+
 def truth_value(text: str | bool) -> bool:
     """A bool flag's optional value (`--bf16 false`), read as transformers' `HfArgumentParser` reads it."""
     if isinstance(text, bool):

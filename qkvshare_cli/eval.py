@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .conventions import HelpFormatter, add_dtype_argument
+from .conventions import HelpFormatter, add_model_loading_arguments
 
 DEFAULT_TASKS = ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")  # the paper's suite
 
@@ -55,12 +55,9 @@ def parse_args(argv: list[str] | None) -> EvalArgs:
     p.add_argument("--num_fewshot", type=int, default=5, help="in-context examples per question")
     p.add_argument("--batch_size", default="8", help='an integer or "auto"')
     p.add_argument("--limit", type=float, default=None, help="examples per task (int) or fraction (<1); testing only")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
-    add_dtype_argument(p, "float32", "weights and activations; auto: as saved")
+    add_model_loading_arguments(p, "tokenizer for all models (default: saved with each model)")
     p.add_argument("--data_dir", default=None, help="offline: official tasks on DIR/<task>_<split>.jsonl")
     p.add_argument("--output_dir", default="eval_results", help="results JSON per model, the table, the task YAML")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for all models (default: saved with each model)")
-    p.add_argument("--trust_remote_code", action="store_true", help="for hub models whose code is not installed")
     p.add_argument("--kv_bytes_per_element", type=int, default=2, help="bytes per cached element (2: fp16/bf16)")
     p.add_argument("--write_task_yaml", default=None, help="with --data_dir: write the offline task YAML and exit")
     p.add_argument("--seed", type=int, default=1234, help="lm-eval's few-shot, numpy and torch seed")

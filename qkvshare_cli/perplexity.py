@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .conventions import HelpFormatter, add_dtype_argument
+from .conventions import HelpFormatter, add_model_loading_arguments
 
 
 @dataclass
@@ -61,10 +61,7 @@ def parse_args(argv: list[str] | None) -> PerplexityArgs:
     p.add_argument("--stride", type=int, default=None, help="window step (default: max_length // 2)")
     p.add_argument("--batch_size", type=int, default=4, help="windows per forward pass")
     p.add_argument("--max_documents", type=int, default=None, help="score only the first N non-empty documents")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
-    add_dtype_argument(p, "float32", "weights and activations; auto: as saved")
-    p.add_argument("--tokenizer", default=None, help="default: the tokenizer saved with the model")
-    p.add_argument("--trust_remote_code", action="store_true", help="for hub models whose code is not installed")
+    add_model_loading_arguments(p, "default: the tokenizer saved with the model")
     p.add_argument("--output_file", default=None, help="also write the result as JSON here")
     ns = p.parse_args(argv)
     if (ns.validation_file is None) == (ns.dataset_name is None):

@@ -78,9 +78,8 @@ class SweepArgs:
     map_layer: int = field(
         default=0, metadata={"help": "the layer whose attention the figure shows (0: where routing by position shows)"}
     )
-    plots: bool = field(
-        default=True, metadata={"help": "skip the PNG figures"}
-    )  # the flag is --no_plots; PNGs need matplotlib
+    # True by default, so the flag is --no_plots (drawing the PNGs needs matplotlib)
+    plots: bool = field(default=True, metadata={"help": "skip the PNG figures"})
 
     def axes(self) -> dict[str, list[int]]:
         if self.grid not in GRIDS:

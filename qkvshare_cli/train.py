@@ -60,43 +60,36 @@ FLASH_ATTENTION_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 VARIANT_PLACEHOLDER = "{variant}"  # in --output_dir: replaced by --variant
 
 
+def flag(default: Any, help: str) -> Any:
+    """A field of the argument dataclasses: its default and its `--help` text, in `metadata["help"]` where
+    transformers' `HfArgumentParser` reads it too."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelArguments:
     """Which model to build."""
 
-    preset: str = field(
-        default="tiny", metadata={"help": "model preset: tiny, small, paper-300m, paper-1.2b, llama-300m, llama-1.2b"}
+    preset: str = flag("tiny", "model preset: tiny, small, paper-300m, paper-1.2b, llama-300m, llama-1.2b")
+    variant: str | None = flag(
+        None, "paper variant: QKV, Q=K-V, Q-K=V (QV), Q=K=V, (Q=K-V)+, (Q=K=V)+, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA"
     )
-    variant: str | None = field(
-        default=None,
-        metadata={
-            "help": "paper variant: QKV, Q=K-V, Q-K=V (QV), Q=K=V, (Q=K-V)+, (Q=K=V)+, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA"
-        },
+    config_overrides: str | None = flag(
+        None, "config field overrides, run_clm style: 'hidden_size=128,num_hidden_layers=2' (YAML: a mapping)"
     )
-    config_overrides: str | None = field(
-        default=None,
-        metadata={
-            "help": "config field overrides, run_clm style: 'hidden_size=128,num_hidden_layers=2' (YAML: a mapping)"
-        },
+    tokenizer_name: str | None = flag(
+        None, "HF tokenizer name or path; default: train a byte-level BPE on the training data"
     )
-    tokenizer_name: str | None = field(
-        default=None,
-        metadata={"help": "HF tokenizer name or path; default: train a byte-level BPE on the training data"},
+    init_from: str | None = flag(
+        None,
+        "continue from a QKVShare model directory (e.g. from `qkvshare convert`): its config, weights and "
+        "tokenizer; --preset, --variant and --config_overrides do not apply",
     )
-    init_from: str | None = field(
-        default=None,
-        metadata={
-            "help": "continue from a QKVShare model directory (e.g. from `qkvshare convert`): its config, weights and "
-            "tokenizer; --preset, --variant and --config_overrides do not apply"
-        },
+    tokenizer_vocab_size: int | None = flag(
+        None, "vocab size of the trained BPE (default: the preset's vocab size, at least 320)"
     )
-    tokenizer_vocab_size: int | None = field(
-        default=None,
-        metadata={"help": "vocab size of the trained BPE (default: the preset's vocab size, at least 320)"},
-    )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "sdpa (default), eager, flex_attention, or flash_attention_2/3 (with flash-attn installed)"},
+    attn_implementation: str | None = flag(
+        None, "sdpa (default), eager, flex_attention, or flash_attention_2/3 (with flash-attn installed)"
     )
 
 
@@ -104,82 +97,67 @@ class ModelArguments:
 class DataArguments:
     """Where the text comes from and how it is cut into blocks."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "HF dataset name; default (with no --train_file): the Python stdlib sources"}
+    dataset_name: str | None = flag(None, "HF dataset name; default (with no --train_file): the Python stdlib sources")
+    dataset_config_name: str | None = flag(None, "HF dataset config name")
+    train_file: str | None = flag(None, "local .txt, .jsonl/.json or .parquet training file")
+    validation_file: str | None = flag(None, "local validation file (same formats)")
+    text_column: str = flag("text", "column that holds the documents")
+    streaming: bool = flag(False, "stream the HF dataset (for SlimPajama, FineWeb-Edu)")
+    validation_split_percentage: int = flag(
+        5, "percent of documents held out for validation when there is no validation split"
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "HF dataset config name"})
-    train_file: str | None = field(
-        default=None, metadata={"help": "local .txt, .jsonl/.json or .parquet training file"}
+    streaming_validation_documents: int = flag(
+        1000, "documents held out for validation when streaming without a validation split"
     )
-    validation_file: str | None = field(default=None, metadata={"help": "local validation file (same formats)"})
-    text_column: str = field(default="text", metadata={"help": "column that holds the documents"})
-    streaming: bool = field(default=False, metadata={"help": "stream the HF dataset (for SlimPajama, FineWeb-Edu)"})
-    validation_split_percentage: int = field(
-        default=5, metadata={"help": "percent of documents held out for validation when there is no validation split"}
-    )
-    streaming_validation_documents: int = field(
-        default=1000, metadata={"help": "documents held out for validation when streaming without a validation split"}
-    )
-    block_size: int | None = field(
-        default=None, metadata={"help": "tokens per training block (default: min(1024, max_position_embeddings))"}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training blocks"})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many validation blocks"})
+    block_size: int | None = flag(None, "tokens per training block (default: min(1024, max_position_embeddings))")
+    max_train_samples: int | None = flag(None, "use at most this many training blocks")
+    max_eval_samples: int | None = flag(None, "use at most this many validation blocks")
 
 
 @dataclass
 class TrainArguments:
     """The optimisation loop, logging and checkpoints (names from `TrainingArguments`)."""
 
-    output_dir: str | None = field(
-        default=None,
-        metadata={"help": f"where the model, checkpoints and logs go; {VARIANT_PLACEHOLDER} is replaced by --variant"},
+    output_dir: str | None = flag(
+        None, f"where the model, checkpoints and logs go; {VARIANT_PLACEHOLDER} is replaced by --variant"
     )
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "delete the run already in --output_dir (once the new run's inputs are checked)"},
+    overwrite_output_dir: bool = flag(
+        False, "delete the run already in --output_dir (once the new run's inputs are checked)"
     )
-    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "blocks per device per micro-step"})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "blocks per device in validation"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
-    learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decays to this fraction of the peak LR"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only by default)"})
-    decay_norms_biases_embeddings: bool = field(
-        default=False, metadata={"help": "also apply weight decay to norms, biases and embeddings"}
+    max_steps: int = flag(100, "optimizer steps")
+    per_device_train_batch_size: int = flag(8, "blocks per device per micro-step")
+    per_device_eval_batch_size: int = flag(8, "blocks per device in validation")
+    gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step")
+    learning_rate: float = flag(3e-4, "peak learning rate")
+    warmup_steps: int = flag(0, "linear warmup steps")
+    min_lr_ratio: float = flag(0.1, "cosine decays to this fraction of the peak LR")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices only by default)")
+    decay_norms_biases_embeddings: bool = flag(False, "also apply weight decay to norms, biases and embeddings")
+    adam_beta1: float = flag(0.9, "AdamW beta1")
+    adam_beta2: float = flag(0.95, "AdamW beta2")
+    adam_epsilon: float = flag(1e-8, "AdamW epsilon")
+    max_grad_norm: float = flag(1.0, "gradient clipping (0 turns it off)")
+    seed: int = flag(42, "seed of init, data order and sampling")
+    bf16: bool = flag(False, "bf16 mixed precision")
+    fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")
+    use_cpu: bool = flag(False, "train on CPU even if a GPU is present (gloo for 2+ ranks)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward")
+    logging_steps: int = flag(10, "log loss, lr, tokens/s and MFU every N steps")
+    eval_steps: int = flag(100, "validation loss/perplexity every N steps (and at the end)")
+    save_steps: int = flag(500, "checkpoint every N steps (0: never)")
+    save_total_limit: int | None = flag(2, "keep at most N checkpoints (None: all)")
+    resume_from_checkpoint: str | None = flag(
+        None, "checkpoint directory, or 'latest' (newest under output_dir/checkpoints)"
     )
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 turns it off)"})
-    seed: int = field(default=42, metadata={"help": "seed of init, data order and sampling"})
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision"})
-    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (with loss scaling)"})
-    use_cpu: bool = field(default=False, metadata={"help": "train on CPU even if a GPU is present (gloo for 2+ ranks)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    logging_steps: int = field(default=10, metadata={"help": "log loss, lr, tokens/s and MFU every N steps"})
-    eval_steps: int = field(default=100, metadata={"help": "validation loss/perplexity every N steps (and at the end)"})
-    save_steps: int = field(default=500, metadata={"help": "checkpoint every N steps (0: never)"})
-    save_total_limit: int | None = field(default=2, metadata={"help": "keep at most N checkpoints (None: all)"})
-    resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "checkpoint directory, or 'latest' (newest under output_dir/checkpoints)"}
-    )
-    report_to: str = field(
-        default="tensorboard",
-        metadata={"help": "trackers, comma separated: " + ", ".join(TRACKER_PACKAGES) + ", or none"},
-    )
-    run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
-    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
-    peak_tflops: float | None = field(
-        default=None, metadata={"help": "peak TFLOP/s of one device for MFU (default: known GPUs; CPU: no MFU)"}
-    )
-    sample_prompt: str = field(default="def ", metadata={"help": "prompt of the sample generated at the end"})
-    sample_max_new_tokens: int = field(default=64, metadata={"help": "tokens of the final sample (0: none)"})
-    push_to_hub: bool = field(default=False, metadata={"help": "upload the final model directory"})
-    hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
-    hub_private_repo: bool = field(default=False, metadata={"help": "create the hub repo as private"})
+    report_to: str = flag("tensorboard", "trackers, comma separated: " + ", ".join(TRACKER_PACKAGES) + ", or none")
+    run_name: str | None = flag(None, "tracker run name")
+    disable_tqdm: bool = flag(False, "no progress bar")
+    peak_tflops: float | None = flag(None, "peak TFLOP/s of one device for MFU (default: known GPUs; CPU: no MFU)")
+    sample_prompt: str = flag("def ", "prompt of the sample generated at the end")
+    sample_max_new_tokens: int = flag(64, "tokens of the final sample (0: none)")
+    push_to_hub: bool = flag(False, "upload the final model directory")
+    hub_model_id: str | None = flag(None, "repo id for --push_to_hub")
+    hub_private_repo: bool = flag(False, "create the hub repo as private")
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
@@ -374,10 +352,10 @@ def check_args(args: Arguments) -> None:
 
 def check_init_from(m: ModelArguments) -> None:
     """--init_from names a QKVShare model directory, and no flag that would build another model is given."""
-    for flag in ("variant", "config_overrides"):
-        if getattr(m, flag) is not None:
+    for name in ("variant", "config_overrides"):
+        if getattr(m, name) is not None:
             raise TrainingSetupError(
-                f"--{flag} cannot be combined with --init_from {m.init_from!r}: the model is the directory's as saved. "
+                f"--{name} cannot be combined with --init_from {m.init_from!r}: the model is the directory's as saved. "
                 "Convert to another variant with `qkvshare convert`, or drop --init_from to train from scratch."
             )
     config_file = Path(m.init_from).expanduser() / "config.json"

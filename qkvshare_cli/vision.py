@@ -65,9 +65,8 @@ class VisionArgs:
     threads: int = field(default=1, metadata={"help": "torch threads per worker"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "training backend: sdpa or eager"})
     map_images: int = field(default=4, metadata={"help": "classify: test images in attention_maps.png"})
-    plots: bool = field(
-        default=True, metadata={"help": "skip the PNG figures"}
-    )  # the flag is --no_plots; PNGs need matplotlib
+    # True by default, so the flag is --no_plots (drawing the PNGs needs matplotlib)
+    plots: bool = field(default=True, metadata={"help": "skip the PNG figures"})
 
     def data_id(self) -> str:
         """What the prepared data depend on (part of every cell's key)."""

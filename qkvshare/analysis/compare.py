@@ -38,6 +38,7 @@ from qkvshare.analysis.common import check_variants, default_variants, markdown_
 from qkvshare.analysis.plotting import line_plot
 from qkvshare.configuration_qkvshare import QKVShareConfig
 from qkvshare_cli import main as cli_main
+from qkvshare_cli.compare import SHARED_TRAIN_FLAGS
 from qkvshare_cli.conventions import slug
 
 
@@ -82,35 +83,8 @@ def with_position_type(train_args: list[str], position_type: str | None) -> list
 
 def shared_train_args(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
     """The trainer flags every variant gets (everything except --output_dir, --variant and the tokenizer)."""
-    argv = [
-        "--preset",
-        args.preset,
-        "--max_steps",
-        str(args.max_steps),
-        "--per_device_train_batch_size",
-        str(args.per_device_train_batch_size),
-        "--block_size",
-        str(args.block_size),
-        "--learning_rate",
-        str(args.learning_rate),
-        "--warmup_steps",
-        str(args.warmup_steps),
-        "--seed",
-        str(args.seed),
-        "--eval_steps",
-        str(args.eval_steps),
-        "--save_steps",
-        str(args.save_steps),
-        "--max_eval_samples",
-        str(args.max_eval_samples),
-        "--logging_steps",
-        "1",
-        "--report_to",
-        "none",
-        "--sample_max_new_tokens",
-        "0",
-    ]
-    return argv + passthrough
+    shared = [item for name in SHARED_TRAIN_FLAGS for item in (f"--{name}", str(getattr(args, name)))]
+    return [*shared, "--logging_steps", "1", "--report_to", "none", "--sample_max_new_tokens", "0", *passthrough]
 
 
 def check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
