@@ -24,14 +24,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DistilBertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.analysis.conventions import DTYPE_NAMES, slug
 from qkvshare.cli import main as cli
 from qkvshare.evaluation import harness
-from qkvshare.evaluation import perplexity as perplexity_cmd
 from qkvshare.evaluation.common import NonFiniteResultError, kv_cache_bytes_per_token
 from qkvshare.evaluation.perplexity import pack, perplexity, windows
-from qkvshare.evaluation.tasks import DEFAULT_TASKS, FIXTURES_DIR, OFFLINE_TASKS
+from qkvshare.evaluation.tasks import FIXTURES_DIR, OFFLINE_TASKS
 from qkvshare.train.tokenizer import train_bpe_tokenizer
+from qkvshare_cli.conventions import DTYPE_NAMES, slug
+from qkvshare_cli.eval import DEFAULT_TASKS
 
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -531,11 +531,12 @@ def test_perplexity_non_finite_loss_is_reported_not_printed(checkpoint, tmp_path
 
 
 def test_dtype_names_are_the_same_in_every_command(capsys):
-    from qkvshare.analysis import bench
+    from qkvshare_cli import bench, perplexity
+    from qkvshare_cli import eval as eval_cli
 
     parsers = {
-        "eval": lambda d: harness.parse_args(["m", "--dtype", d]).dtype,
-        "perplexity": lambda d: perplexity_cmd.parse_args(["m", "--validation_file", "f", "--dtype", d]).dtype,
+        "eval": lambda d: eval_cli.parse_args(["m", "--dtype", d]).dtype,
+        "perplexity": lambda d: perplexity.parse_args(["m", "--validation_file", "f", "--dtype", d]).dtype,
         "bench": lambda d: bench.parse_args(["--dtype", d]).dtype,
     }
     for name, parse in parsers.items():

@@ -432,7 +432,7 @@ def _recipe_txt(tmp: Path) -> str:
 def _missing_tracker() -> str:
     import importlib.util
 
-    from qkvshare.train.args import TRACKER_PACKAGES
+    from qkvshare_cli.train import TRACKER_PACKAGES
 
     missing = [name for name, module in TRACKER_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if not missing:
@@ -697,7 +697,7 @@ def test_train_help_prints_each_default_once(capsys):
     "(default: None)" appended; plain defaults are still shown."""
     from test_analysis import _help_blocks
 
-    from qkvshare.train.args import parse_args
+    from qkvshare_cli.train import parse_args
 
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--help"])

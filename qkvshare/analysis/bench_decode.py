@@ -44,19 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvshare.analysis.common import markdown_table, model_fields, variant_config, with_fields
+import torch
+from transformers import GenerationConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerationMode
 
-# Cache kinds of the decode table: (cache_implementation, cache_config, compile).
-CACHE_KINDS: dict[str, tuple[str | None, dict | None, bool]] = {
-    "dynamic": (None, None, False),
-    "static": ("static", None, False),
-    "static+compile": ("static", None, True),
-    "quantized-int4": ("quantized", {"backend": "quanto", "nbits": 4}, False),
-    "quantized-int8": ("quantized", {"backend": "hqq", "nbits": 8}, False),  # quanto: 2 and 4 bits only
-}
-# Which cache kinds each model row gets by default (the issue's table; Llama also gets the quantized kinds, the
-# reference of the tied rows there).
-DEFAULT_MODELS = ("Llama", "none", "Q-K=V", "Q-GQA-1")
+from qkvshare import QKVShareCache, QKVShareConfig, QKVShareForCausalLM
+from qkvshare.analysis.common import markdown_table, model_fields, variant_config, with_fields
+from qkvshare.analysis.conventions import torch_dtype
+from qkvshare.cache_qkvshare import cache_layer_nbytes
+from qkvshare.train.model import llama_twin_config
+from qkvshare_cli.bench import CACHE_KINDS
+
 UNTIED_KINDS = ("dynamic", "static", "static+compile")
 SPREAD_TARGET = 0.05  # rounds are added while a cell's spread is above this
 Q_GROUP_SIZE = 64  # transformers' QuantizedCache default `q_group_size`
@@ -107,12 +105,7 @@ def decode_variant_config(base, name: str):
 
 def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: int) -> list[DecodeModel]:
     """The Llama of the shape and the QKVShare rows (random init, ``seed``); `none` gets Llama's weights."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from qkvshare import QKVShareForCausalLM
     from qkvshare.analysis.bench import copy_twin_weights  # here: bench imports this module
-    from qkvshare.train.model import llama_twin_config
 
     rows: list[DecodeModel] = []
     llama = None
@@ -141,9 +134,6 @@ def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: 
 # ----------------------------------------------------------------------------------------------------------------
 def build_cache(model, kind: str, batch: int, slots: int):
     """The cache `generate()` would build for this kind (``slots`` = prompt + new tokens, for static caches)."""
-    from transformers import GenerationConfig
-    from transformers.generation.utils import GenerationMode
-
     implementation, cache_config, _ = CACHE_KINDS[kind]
     gen = GenerationConfig(
         cache_implementation=implementation,
@@ -163,10 +153,6 @@ def fill_cache(row: DecodeModel, cache, batch: int, context: int, device, dtype)
     """Write ``context`` random tokens per sequence into every layer through the cache's own `update()`, as the
     model's attention layers do (tied layers of a QKVShare cache: one tensor; positions when the cache tracks them).
     """
-    import torch
-
-    from qkvshare import QKVShareCache
-
     ours = isinstance(cache, QKVShareCache)
     with torch.inference_mode():
         if ours:
@@ -188,7 +174,6 @@ def held_nbytes(cache) -> int:
     values, and a quantized layer's quantized states), counted as the QKVShare caches count theirs."""
     if hasattr(cache, "nbytes"):
         return int(cache.nbytes())
-    from qkvshare.cache_qkvshare import cache_layer_nbytes
 
     return sum(cache_layer_nbytes(layer) for layer in cache.layers)
 
@@ -223,8 +208,6 @@ def available_bytes() -> int | None:
 # ----------------------------------------------------------------------------------------------------------------
 def forward_fn(row: DecodeModel, kind: str):
     """The callable of a decode step: the model, or its `torch.compile(fullgraph=True)` form for compiled kinds."""
-    import torch
-
     if not CACHE_KINDS[kind][2]:
         return row.model
     if row.compiled is None:  # dynamic shapes: one compile per model serves every batch and cache length
@@ -234,8 +217,6 @@ def forward_fn(row: DecodeModel, kind: str):
 
 def run_cell(row: DecodeModel, cell: Cell, new_tokens: int, device, dtype, element_size: int, clock) -> None:
     """Build and fill the cache, one untimed step, then ``new_tokens`` timed steps; append ms/token to ``cell``."""
-    import torch
-
     from qkvshare.analysis.bench import _sync
 
     slots = cell.context + 1 + new_tokens  # the fill, the untimed step, the timed ones
@@ -290,8 +271,6 @@ def measure_decode_table(
     log=print,
 ) -> list[Cell]:
     """Every (model, cache kind) cell at every (batch, context), interleaved rounds (see the module docstring)."""
-    import torch
-
     element_size = torch.tensor([], dtype=dtype).element_size()
     cells: list[Cell] = []
     broken: dict[tuple[str, str], str] = {}  # a compile or backend that failed once fails for every shape
@@ -335,12 +314,6 @@ def measure_decode_table(
 def rss_child(spec: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: build one model, run `generate()` on a ``context``-token prompt (batch 1), and return
     the peak resident memory (VmHWM) before and after, the weights' bytes and the time taken."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from qkvshare import QKVShareConfig, QKVShareForCausalLM
-    from qkvshare.train.model import llama_twin_config
-
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     base = QKVShareConfig(**spec["base"])
@@ -593,10 +566,6 @@ def targets_summary(summary: list[dict[str, Any]], rss: dict[str, Any]) -> list[
 
 def run(args, setup, log=print) -> str:
     """`qkvshare bench --decode`: build the models, measure, print and write decode.md and decode.json."""
-    import torch
-
-    from qkvshare.analysis.conventions import torch_dtype
-
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch_dtype(setup.dtype_name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from qkvshare_cli.extras import require
+
 
 def line_plot(
     path: str | Path,
@@ -21,8 +23,6 @@ def line_plot(
 
     Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed.
     """
-    from qkvshare._extras import require
-
     require("matplotlib", "plots", "plots").use("Agg")
     plt = require("matplotlib.pyplot", "plots", "plots")
 

@@ -4,21 +4,21 @@ A sweep is a list of independent runs ("cells"), each with a key that names its 
 finished cell is appended to `results.csv` at once (and its loss curve to a JSON-lines file), so an interrupted
 sweep loses at most the cells in flight, and a rerun trains only the keys not in the CSV yet (`pending`).
 
-Standard library only at import time (tqdm is imported when a sweep runs), so the commands' light `parse_args`
-can import the modules that use it.
+The commands' arguments (one flag per field of `SweepArgs` / `VisionArgs`) are `qkvshare_cli.synthetic` and
+`qkvshare_cli.vision`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import dataclasses
 import json
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 
 def read_results(path: Path) -> list[dict]:
@@ -53,8 +53,6 @@ def run_cells(
     `worker` must be a module-level function (the spawned processes import it).
     Returns the keys trained, in the order they finished.
     """
-    from tqdm.auto import tqdm
-
     trained: list[str] = []
     new_file = not csv_path.exists()
     with csv_path.open("a", newline="") as csv_file, curves_path.open("a") as curves_file:
@@ -84,37 +82,6 @@ def run_cells(
     return trained
 
 
-def dataclass_parser(
-    args_class: type, prog: str, description: str, lists: dict[str, type] | None = None
-) -> argparse.ArgumentParser:
-    """A parser with one flag per field of the dataclass `args_class`, its help from the field's metadata.
-
-    `plots` becomes `--no_plots`; the fields named in `lists` take one or more values of the given type (a list of
-    strings shows its default in the help); a field whose default is None takes a str or an int, as its annotation
-    says; every other field takes one value of its default's type.
-    """
-    from .conventions import HelpFormatter
-
-    lists = lists or {}
-    defaults = args_class()
-    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
-    for f in dataclasses.fields(args_class):
-        default, help_ = getattr(defaults, f.name), f.metadata["help"]
-        flag = f"--{f.name}"
-        if f.name == "plots":
-            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
-        elif f.name in lists:
-            if lists[f.name] is str and default is not None:
-                help_ = f"{help_} (default: {' '.join(default)})"
-            parser.add_argument(flag, nargs="+", type=lists[f.name], default=default, help=help_)
-        elif default is None:
-            kind = str if f.type == "str | None" else int
-            parser.add_argument(flag, type=kind, default=None, help=help_)
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=help_)
-    return parser
-
-
 def print_sweep_result(result: Any, start: float) -> None:
     """Print a finished sweep: its table, the cells trained and skipped with the wall time since `start`
     (`time.perf_counter()`), and the files it wrote (`result.table`, `.trained`, `.skipped`, `.files`)."""
@@ -135,4 +102,4 @@ def mean_std(values: Iterable[float]) -> tuple[float, float]:
     return mean, std
 
 
-__all__ = ["read_results", "pending", "run_cells", "dataclass_parser", "print_sweep_result", "mean_std"]
+__all__ = ["read_results", "pending", "run_cells", "print_sweep_result", "mean_std"]

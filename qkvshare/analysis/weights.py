@@ -24,13 +24,14 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qkvshare.analysis.conventions import HelpFormatter
+import torch
+from safetensors import safe_open
+
+from qkvshare.analysis.common import markdown_table
 from qkvshare.evaluation.common import read_config_json, weight_files
-
-if TYPE_CHECKING:  # torch and safetensors are imported by the functions that read weights (fast --help)
-    import torch
+from qkvshare_cli import main as cli_main
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
 # Which projection a dropped one is (sharing mode -> present projections), as in the core library.
@@ -47,8 +48,6 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
     """{layer: {"q"|"k"|"v": weight (out, in)}} with only the projections the checkpoint has."""
-    from safetensors import safe_open
-
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -83,8 +82,6 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def effective_rank(w: torch.Tensor) -> float:
     """Roy & Vetterli effective rank: exp(entropy of s / sum(s)) over the singular values s."""
-    import torch
-
     s = torch.linalg.svdvals(w.double())
     p = s / s.sum()
     p = p[p > 0]
@@ -93,8 +90,6 @@ def effective_rank(w: torch.Tensor) -> float:
 
 def energy_rank(w: torch.Tensor, fraction: float = 0.9) -> int:
     """Number of singular values that hold ``fraction`` of the squared Frobenius norm."""
-    import torch
-
     s2 = torch.linalg.svdvals(w.double()) ** 2
     cum = torch.cumsum(s2, 0) / s2.sum()
     return int(torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype)).item()) + 1
@@ -164,8 +159,6 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    from qkvshare.analysis.common import markdown_table  # (imports the config module: not at parse time)
-
     headers = [
         "layer",
         "mode",
@@ -202,24 +195,13 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join([title, "", markdown_table(headers, rows)])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="qkvshare analyze", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
-    )
-    p.add_argument("model", help="model directory (QKVShare or Llama-architecture; safetensors weights)")
-    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format")
-    p.add_argument("--output", help="also write the output to this file")
-    return p
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line of `qkvshare analyze` (light: no torch import; see `qkvshare_cli`)."""
-    return build_parser().parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare analyze`."""
-    args = parse_args(argv)
+    """`qkvshare analyze ARGV` (also `python -m qkvshare.analysis.weights`); returns the exit status."""
+    return cli_main(["analyze", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """`qkvshare analyze` with its parsed arguments; returns the exit status (2 for bad input)."""
     try:
         report = analyze(args.model)
     except (ValueError, KeyError) as err:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
+from qkvshare import QKVShareForTokenClassification
+from qkvshare_cli.extras import require
+
 from .tasks import make_dataset
 
 
 def _pyplot():
-    from qkvshare._extras import require
-
     require("matplotlib", "plots", "the synthetic figures", hint="or pass --no_plots").use("Agg")
     return require("matplotlib.pyplot", "plots", "the synthetic figures", hint="or pass --no_plots")
 
@@ -29,8 +30,6 @@ def mean_attention_map(
     model_dir: str | Path, task: str, length: int, layer: int, num_sequences: int = 64
 ) -> torch.Tensor:
     """(T, T) attention of one layer of a saved encoder, mean over heads and `num_sequences` test sequences."""
-    from qkvshare import QKVShareForTokenClassification
-
     model = QKVShareForTokenClassification.from_pretrained(str(model_dir), attn_implementation="eager").eval()
     x, _ = make_dataset(task, num_sequences, length, seed=10_007)
     attentions = model(input_ids=x, output_attentions=True).attentions  # per layer: (B, H, T, T)

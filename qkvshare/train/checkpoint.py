@@ -31,7 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .args import TrainingSetupError
+from qkvshare_cli.train import TrainingSetupError
+
 from .ranks import first_message
 
 STATE_FILE = "trainer_state.json"
