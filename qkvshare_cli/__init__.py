@@ -108,6 +108,12 @@ COMMANDS: dict[str, Command] = {
         "write an ExecuTorch or ONNX program with the static tied cache inside",
         extras=("export",),
     ),
+    "serve": Command(
+        "qkvshare_cli.serve:parse_args",
+        "qkvshare.serve:execute",
+        "an OpenAI-compatible server (transformers') for a QKVShare model, with the one-tensor cache",
+        extras=("serve",),
+    ),
 }
 
 

@@ -38,6 +38,9 @@ EXTRAS: dict[str, dict[str, str]] = {
     "vision": {"sklearn": "scikit-learn", "PIL": "pillow", "datasets": "datasets"},
     # The quanto backend of `QKVShareQuantizedCache`; transformers imports `optimum.quanto` when the cache is built.
     "quantized": {"optimum": "optimum-quanto"},
+    # qkvshare serve: transformers' server (fastapi, uvicorn; starlette and pydantic come with fastapi) and the openai
+    # package, whose types transformers' handlers build their answers with.
+    "serve": {"fastapi": "fastapi", "uvicorn": "uvicorn", "openai": "openai"},
     "export": {"executorch": "executorch", "onnx": "onnx", "onnxscript": "onnxscript", "onnxruntime": "onnxruntime"},
 }
 
