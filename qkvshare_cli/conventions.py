@@ -15,6 +15,15 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
+# Files of which a tokenizer folder holds at least one (fast, config, SentencePiece, BPE or WordPiece vocab).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+)
 PRESET_HELP = "model shape preset: a QKVShareConfig.from_preset name (an unknown one is answered with the list)"
 
 

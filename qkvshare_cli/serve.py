@@ -20,9 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .conventions import HelpFormatter, add_dtype_argument
+from .conventions import TOKENIZER_FILES, HelpFormatter, add_dtype_argument
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # one of them: what AutoTokenizer reads
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -71,7 +70,7 @@ def check_model_dir(model_dir: str) -> None:
         )
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
-            f"{model_dir!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); the server answers text. Save the "
+            f"{model_dir!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); the server answers text. Save the "
             "tokenizer next to the model: tokenizer.save_pretrained(MODEL_DIR)."
         )
 

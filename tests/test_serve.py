@@ -115,6 +115,37 @@ def test_startup_log_gives_the_tied_cache_size(server, model_dir):
     assert f"{line}hold {both:,}; torch.float32)" in server[1]
 
 
+@pytest.mark.parametrize(
+    "fields, held, extra",
+    [
+        (dict(layer_projection_sharing=["kv", "none"]), "1 tied layer, one tensor each; 1 layer with K and V", 0),
+        (dict(variant="Q-K=V", kv_tie_point="pre_rope"), "2 tied layers, one tensor each; token positions kept", 8),
+        (dict(variant="QV-Ka"), "2 QV-Ka layers with V and the context G; token positions kept", 8),
+    ],
+)
+def test_startup_log_names_what_each_layout_holds(fields, held, extra):
+    """The measured bytes are the config's formula (one tensor per tied layer) plus 8 bytes of int64 positions."""
+    from qkvshare.serve import cache_summary
+
+    config = QKVShareConfig.from_preset("tiny", **fields)
+    model = QKVShareForCausalLM(config).eval()
+    line = cache_summary(model)
+    assert line.startswith(f"KV cache: {config.kv_cache_bytes_per_token(4) + extra:,} bytes/token ({config.variant}: ")
+    assert f": {held}; K and V in every layer would hold 1,024; torch.float32)" in line
+
+
+def test_startup_log_of_linear_attention_gives_the_constant_state():
+    from qkvshare.serve import PREFILL_TOKENS, cache_summary
+
+    config = QKVShareConfig.from_preset(
+        "tiny", variant="Q=K=V", attention_kernel="linear", position_embedding_type="none"
+    )
+    model = QKVShareForCausalLM(config).eval()
+    state = config.num_hidden_layers * config.num_attention_heads * (config.head_dim**2 + config.head_dim) * 4
+    assert cache_summary(model, PREFILL_TOKENS) == cache_summary(model, 2 * PREFILL_TOKENS)  # whatever the length
+    assert cache_summary(model).startswith(f"KV cache: {state:,} bytes per sequence, whatever its length (Q=K=V: ")
+
+
 def test_models_lists_the_served_directory(client, model_dir):
     assert [m.id for m in client.models.list().data] == [str(model_dir)]
 

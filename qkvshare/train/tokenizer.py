@@ -21,6 +21,7 @@ from pathlib import Path
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from qkvshare_cli.conventions import TOKENIZER_FILES
 from qkvshare_cli.train import TrainingSetupError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -40,15 +41,6 @@ CHAT_TEMPLATE = (
     "{%- else -%}{{- message['content'] + eos_token -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'assistant\\n' -}}{%- endif -%}"
-)
-# Files of which a tokenizer folder holds at least one (fast, config, SentencePiece, BPE or WordPiece vocab).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "vocab.txt",
 )
 TOKENIZER_ADVICE = (
     "pass --tokenizer_name a Hugging Face tokenizer name (e.g. gpt2; it needs network access or the local HF "

@@ -1,0 +1,226 @@
+"""Load test of `qkvshare serve` on 127.0.0.1: the Llama-equivalent model (`none`) and Q-K=V side by side.
+
+    python benchmarks/serve_load.py                                  # 64 requests, 8 clients, SmolLM2-135M shape
+    python benchmarks/serve_load.py --requests 16 --clients 4 --new_tokens 16 --threads 1     # a quick look
+    python benchmarks/serve_load.py --continuous_batching            # the servers batch with the paged cache
+
+Not part of CI. For each variant the script writes a model of one shape with random weights (default: SmolLM2-135M's,
+configs/smollm2-135m/config.json; `--variants` names them, `none` being Llama's attention in QKVShare's code),
+starts `qkvshare serve` on a free port, sends one warm-up request, then `--requests` chat completions from
+`--clients` concurrent clients (the openai package, non-streaming, greedy), and stops the server. Per variant it
+reports the KV-cache bytes per token the server prints at startup, requests/s and generated tokens/s over the whole
+run, p50/p95 request latency, and the server process's peak resident memory (VmHWM, Linux).
+
+Every request has the same length: a prompt of `--prompt_tokens` random words of a word-level tokenizer covering the
+whole vocabulary (plus the chat template's few tokens) and exactly `--new_tokens` generated tokens (the model's
+generation config suppresses EOS). `--max_seconds` bounds the whole run: past it no request is sent and the table
+says how many were done. The model directories go to a temporary directory, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SHAPE = REPO / "configs" / "smollm2-135m" / "config.json"
+EOS = "<|endoftext|>"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default=str(DEFAULT_SHAPE), help="a Llama-architecture config.json (default: SmolLM2)")
+    p.add_argument("--variants", nargs="+", default=["none", "Q-K=V"], help="'none' (Llama's attention) or a variant")
+    p.add_argument("--requests", type=int, default=64, help="chat completions per variant")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    p.add_argument("--prompt_tokens", type=int, default=64, help="words of each prompt")
+    p.add_argument("--new_tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--threads", type=int, default=None, help="the server's torch threads (OMP_NUM_THREADS)")
+    p.add_argument("--dtype", default="float32", help="the server's --dtype")
+    p.add_argument("--continuous_batching", action="store_true", help="serve with --continuous_batching")
+    p.add_argument("--max_seconds", type=float, default=540.0, help="bound on the whole run")
+    p.add_argument("--output", default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    if min(args.requests, args.clients, args.prompt_tokens, args.new_tokens) < 1:
+        p.error("--requests, --clients, --prompt_tokens and --new_tokens must be positive")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the models
+# ----------------------------------------------------------------------------------------------------------------
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one word per id of the model's vocabulary ("w1", "w2", ...; id 0 is EOS) and the
+    chat template of QKVShare's trained tokenizers: every id a random model generates decodes to a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from qkvshare.train.tokenizer import CHAT_TEMPLATE
+
+    vocab = {EOS: 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
+
+
+def write_model(shape: dict, variant: str, path: Path) -> None:
+    """A random-weight QKVShare model of `shape` (a Llama config.json) and `variant`, with the word tokenizer."""
+    import torch
+
+    from qkvshare import QKVShareConfig, QKVShareForCausalLM
+
+    config = QKVShareConfig.from_llama(shape, variant=None if variant == "none" else variant)
+    torch.manual_seed(0)
+    model = QKVShareForCausalLM(config)
+    model.generation_config.suppress_tokens = [0]  # no EOS: every request generates --new_tokens tokens
+    model.generation_config.do_sample = False
+    model.save_pretrained(path)
+    word_tokenizer(config.vocab_size).save_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the load
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What one variant's server did under the load."""
+
+    variant: str
+    cache_line: str = ""  # the server's "KV cache: ..." startup line
+    latencies: list[float] = field(default_factory=list)  # seconds per completed request
+    tokens: int = 0  # generated tokens of the completed requests
+    wall: float = 0.0  # seconds from the first request sent to the last answer
+    peak_rss_mib: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def row(self) -> dict:
+        done = len(self.latencies)
+        quantiles = statistics.quantiles(self.latencies, n=20, method="inclusive") if done > 1 else [0.0] * 19
+        return {
+            "variant": self.variant,
+            "cache_bytes_per_token": self.cache_line.partition("KV cache: ")[2].partition(" bytes/token")[0],
+            "requests": done,
+            "requests_per_s": done / self.wall if self.wall else 0.0,
+            "tokens_per_s": self.tokens / self.wall if self.wall else 0.0,
+            "p50_s": statistics.median(self.latencies) if done else 0.0,
+            "p95_s": quantiles[18],
+            "peak_rss_mib": self.peak_rss_mib,
+            "errors": len(self.errors),
+        }
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (VmHWM) in MiB; 0 where /proc does not tell."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def load(url: str, model_id: str, prompts: list[str], args: argparse.Namespace, deadline: float, run: Run) -> None:
+    """Send every prompt as a chat completion from `args.clients` concurrent clients; fill `run`."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    lock = threading.Lock()
+
+    def ask(prompt: str) -> None:
+        if time.monotonic() > deadline:
+            return
+        start = time.perf_counter()
+        try:
+            answer = client.chat.completions.create(
+                model=model_id,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=args.new_tokens,
+                temperature=0,
+            )
+        except openai.OpenAIError as err:
+            with lock:
+                run.errors.append(str(err))
+            return
+        with lock:
+            run.latencies.append(time.perf_counter() - start)
+            run.tokens += answer.usage.completion_tokens
+
+    ask(prompts[0])  # warm-up, not counted
+    run.latencies.clear()
+    run.tokens = 0
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        list(pool.map(ask, prompts))
+    run.wall = time.perf_counter() - start
+
+
+def bench_variant(variant: str, shape: dict, work: Path, args: argparse.Namespace, deadline: float) -> Run:
+    from qkvshare.serve import serve_in_subprocess
+
+    model_dir = work / variant.replace("=", "_eq_")
+    write_model(shape, variant, model_dir)
+    rng = random.Random(0)
+    words = shape["vocab_size"]
+    prompts = [" ".join(f"w{rng.randrange(1, words)}" for _ in range(args.prompt_tokens)) for _ in range(args.requests)]
+    flags = ["--dtype", args.dtype, "--device", "cpu", *(["--continuous_batching"] if args.continuous_batching else [])]
+    env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
+    run = Run(variant)
+    log = work / f"{model_dir.name}.log"
+    with serve_in_subprocess(model_dir, flags, log, env=env) as (url, process):
+        run.cache_line = next((ln for ln in log.read_text().splitlines() if ln.startswith("KV cache: ")), "")
+        load(url, str(model_dir), prompts, args, deadline, run)
+        run.peak_rss_mib = peak_rss_mib(process.pid)
+    return run
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [
+        "| variant | KV cache bytes/token | requests | requests/s | tokens/s | p50 latency (s) | p95 latency (s) | "
+        "peak RSS (MiB) | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['cache_bytes_per_token']} | {r['requests']}/{args.requests} | "
+            f"{r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
+            f"{r['peak_rss_mib']:,.0f} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = json.loads(Path(args.shape).read_text())
+    deadline = time.monotonic() + args.max_seconds
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="qkvshare-serve-load-") as tmp:
+        for variant in args.variants:
+            runs.append(bench_variant(variant, shape, Path(tmp), args, deadline))
+            print(f"{variant}: {runs[-1].cache_line}", flush=True)
+            for error in runs[-1].errors[:3]:
+                print(f"  error: {error}", file=sys.stderr)
+    rows = [run.row() for run in runs]
+    mode = "continuous batching" if args.continuous_batching else "sequential generate()"
+    print(
+        f"\n{args.requests} requests from {args.clients} clients, {args.prompt_tokens}-word prompts, "
+        f"{args.new_tokens} new tokens each, {Path(args.shape).parent.name} shape, {args.dtype}, {mode}, "
+        f"threads={args.threads or 'default'}\n"
+    )
+    print(table(rows, args))
+    if args.output:
+        Path(args.output).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    return 0 if all(r["requests"] == args.requests for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
