@@ -16,10 +16,12 @@ def line_plot(
     logy: bool = False,
     dashed: Sequence[str] = (),
     panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]] | None = None,
+    ylabels: Mapping[str, str] | None = None,
 ) -> Path:
     """Save a PNG with one line per series name; ``panels`` draws several side-by-side subplots instead.
 
-    Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed.
+    Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed. ``ylabels`` gives a panel
+    its own y label (by panel title; ``ylabel`` for the others).
     """
     from qkvshare._extras import require
 
@@ -40,7 +42,7 @@ def line_plot(
                 label=name,
             )
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel((ylabels or {}).get(panel_title, ylabel))
         ax.set_title(panel_title)
         if logx:
             ax.set_xscale("log", base=2)
