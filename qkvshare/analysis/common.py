@@ -143,14 +143,6 @@ def check_variants(base: QKVShareConfig, variants: Sequence[str]) -> list[str]:
     return list(variants)
 
 
-def human(n: float, unit: str = "") -> str:
-    """1234567 -> '1.23M' (decimal prefixes, as the paper writes GB and G MACs)."""
-    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{prefix}{unit}"
-    return f"{n:g}{unit}"
-
-
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; numbers right-aligned."""
 

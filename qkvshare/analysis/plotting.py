@@ -13,7 +13,6 @@ def line_plot(
     ylabel: str,
     title: str,
     logx: bool = False,
-    logy: bool = False,
     dashed: Sequence[str] = (),
     panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]] | None = None,
     ylabels: Mapping[str, str] | None = None,
@@ -46,8 +45,6 @@ def line_plot(
         ax.set_title(panel_title)
         if logx:
             ax.set_xscale("log", base=2)
-        if logy:
-            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     if panels:
