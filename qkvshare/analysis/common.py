@@ -16,7 +16,7 @@ Design notes
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,11 +74,25 @@ def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
         fields = model_fields()
         return QKVShareConfig(**{k: v for k, v in d.items() if k in fields})
     if model_type in LLAMA_ARCHITECTURES:
-        return QKVShareConfig.from_llama(d)
+        return QKVShareConfig.from_llama(llama_config_dict(d, str(Path(model_dir) / "config.json")))
     raise ValueError(
         f"{model_dir!s}: model_type={model_type!r} is not supported; expected 'qkvshare' or a Llama-architecture "
         f"model ({', '.join(map(repr, LLAMA_ARCHITECTURES))})."
     )
+
+
+def llama_config_dict(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A Llama-architecture config.json dict (`LLAMA_ARCHITECTURES`, checked by the caller) read through transformers'
+    config class of its model_type: the fields the file leaves out get that class's defaults (32 attention heads for
+    Llama), as the model `from_pretrained` builds gets them. A `ValueError` naming ``where`` when the class refuses it.
+    """
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
+    except Exception as err:  # its validators raise huggingface_hub's StrictDataclassError, ZeroDivisionError, ...
+        reason = " ".join(str(err).split())
+        raise ValueError(f"{where} is not a valid {config['model_type']} config: {reason}") from None
 
 
 def base_config(preset: str | None = None, model_dir: str | None = None, overrides: dict[str, Any] | None = None):

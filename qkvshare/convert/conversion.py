@@ -89,9 +89,12 @@ def plan_conversion(
     """The target config and the resolved K=V and Q=K methods, or a `ValueError` saying why the source cannot be
     converted so. `source_config` is a Llama-architecture config object or `config.json` dict."""
     from qkvshare import QKVShareConfig
+    from qkvshare.analysis.common import llama_config_dict
 
     d = source_config.to_dict() if hasattr(source_config, "to_dict") else dict(source_config)
     check_architecture(d)
+    if not hasattr(source_config, "to_dict"):  # a config.json may leave fields to their defaults
+        d = llama_config_dict(d, "the source config")
     unknown = sorted(set(overrides) - set(CONVERT_OVERRIDES))
     if unknown:
         raise ValueError(

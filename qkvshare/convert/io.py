@@ -37,12 +37,19 @@ def _require_gguf() -> None:
 
 
 def read_source_config(source: str) -> dict[str, Any]:
-    """The source's config as a dict, without reading its weights."""
+    """The source's config as a dict, every field filled as transformers' config class fills it, without reading
+    its weights. A directory must hold a supported config.json and weight files (checked complete): a `ValueError`
+    naming the file otherwise."""
     path = check_source_path(source)
     if path.is_dir():
-        from qkvshare.evaluation.common import read_config_json
+        from qkvshare.analysis.common import llama_config_dict
+        from qkvshare.evaluation.common import read_config_json, weight_files
 
-        return read_config_json(path)
+        d = read_config_json(path)
+        check_architecture(d)
+        config = llama_config_dict(d, str(path / "config.json"))
+        weight_files(path)  # none, or a truncated one: said here, not as transformers' OSError after the calibration
+        return config
     _require_gguf()
     from transformers import AutoConfig
 
