@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -28,12 +28,12 @@ from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDa
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
 # Field values. Names are the public API (configs on the hub store them).
-PROJECTION_SHARING_MODES = ("none", "qk", "kv", "qkv")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "none", "alibi")
 KV_TIE_POINTS = ("post_rope", "pre_rope")
 NORM_TYPES = ("rmsnorm", "layernorm")
@@ -50,9 +50,64 @@ LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2")
 IMAGE_POOLINGS = ("cls", "mean")
 PATCH_POSITION_EMBEDDING_TYPES = ("learned", "sincos2d")
 
+
+@dataclasses.dataclass(frozen=True)
+class SharingMode:
+    """One value of `projection_sharing`: what a layer in this mode is. The single definition every part of the
+    library reads (model layers, caches, cost model, weight analysis, conversion).
+
+    Fields:
+        name: the config value ("none", "qk", "kv", "qkv").
+        paper_name: the paper's name (Table 1): QKV, Q=K-V, Q-K=V, Q=K=V.
+        query_is_key: the query is the key (no `q_proj`; symmetric scores; needs one key/value head per head).
+        kv_tied: the value is the key (no `v_proj`; the cache holds one tensor).
+    """
+
+    name: str
+    paper_name: str
+    query_is_key: bool
+    kv_tied: bool
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The attention projections a layer in this mode has, by Llama's names (a shared one does not exist)."""
+        query = () if self.query_is_key else ("q_proj",)
+        value = () if self.kv_tied else ("v_proj",)
+        return (*query, "k_proj", *value, "o_proj")
+
+    @property
+    def cached_tensors(self) -> int:
+        """Tensors the KV cache keeps per token for a layer in this mode: 1 when K and V are tied, else 2."""
+        return 1 if self.kv_tied else 2
+
+
+SHARING_MODES: dict[str, SharingMode] = {
+    mode.name: mode
+    for mode in (
+        SharingMode("none", "QKV", query_is_key=False, kv_tied=False),
+        SharingMode("qk", "Q=K-V", query_is_key=True, kv_tied=False),
+        SharingMode("kv", "Q-K=V", query_is_key=False, kv_tied=True),
+        SharingMode("qkv", "Q=K=V", query_is_key=True, kv_tied=True),
+    )
+}
+PROJECTION_SHARING_MODES = tuple(SHARING_MODES)
 # Paper name of each projection-sharing mode (Table 1 of the paper).
-PAPER_NAMES = {"none": "QKV", "qk": "Q=K-V", "kv": "Q-K=V", "qkv": "Q=K=V"}
-_MODE_BY_PAPER_NAME = {name: mode for mode, name in PAPER_NAMES.items()} | {"QV": "kv"}
+PAPER_NAMES = {mode.name: mode.paper_name for mode in SHARING_MODES.values()}
+_MODE_BY_PAPER_NAME = {mode.paper_name: mode.name for mode in SHARING_MODES.values()} | {"QV": "kv"}
+
+
+def mode_for_projections(present: Iterable[str]) -> SharingMode:
+    """The mode whose layers have exactly these of q_proj/k_proj/v_proj (`o_proj` and other names are ignored), the
+    inverse of `SharingMode.projections`; a ValueError when no mode has that set (e.g. q without k)."""
+    wanted = {name for name in present if name in ("q_proj", "k_proj", "v_proj")}
+    for mode in SHARING_MODES.values():
+        if wanted == set(mode.projections) - {"o_proj"}:
+            return mode
+    allowed = "; ".join(
+        f"{m.paper_name}: {', '.join(p for p in m.projections if p != 'o_proj')}" for m in SHARING_MODES.values()
+    )
+    raise ValueError(f"projections {sorted(wanted)} are no sharing mode's ({allowed}).")
+
 
 # The paper's variant names; GQA-<g> and Q-GQA-<g> take any divisor g of the head count.
 VARIANTS = (
@@ -107,16 +162,31 @@ def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{field}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}.")
 
 
-def parse_variant(variant: str, num_attention_heads: int, head_dim: int | None = None) -> dict[str, Any]:
-    """Translate a paper variant name into config fields.
+def _base_value(base: Any, name: str) -> Any:
+    return base.get(name) if isinstance(base, Mapping) else getattr(base, name, None)
 
-    Accepts ``QKV``, ``Q=K-V``, ``Q-K=V`` (alias ``QV``), ``Q=K=V``, ``(Q=K-V)+``, ``(Q=K=V)+`` (any of the
-    projection names in parentheses followed by ``+``), ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>``, ``Q-MQA``, and the
-    second source's ``QV-Ka`` (d_ctx = head_dim) and ``QV-Ka-2`` (d_ctx = 2 x head_dim), which need ``head_dim``.
-    ``≠`` and ``!=`` are accepted for ``-``. Returns the fields ``projection_sharing``,
-    ``num_key_value_heads``, ``key_context_dim`` (0 except for QV-Ka) and ``attention_map_pe_dim`` (0 when the
-    variant has no "+").
+
+def resolve_variant(
+    variant: str, base: "QKVShareConfig | Mapping[str, Any]", attention_map_pe_dim: int = DEFAULT_ATTENTION_MAP_PE_DIM
+) -> dict[str, Any]:
+    """The config fields that turn `base` (a config, or a config dict) into the paper variant `variant`.
+
+    THE variant resolver: presets, `from_llama`, the command lines and the tools all go through it, so a name means
+    the same config everywhere. Names: ``QKV``, ``Q=K-V``, ``Q-K=V`` (alias ``QV``), ``Q=K=V``, their "+" forms
+    ``(Q=K-V)+`` etc., ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>``, ``Q-MQA``, and the second source's ``QV-Ka`` (d_ctx =
+    head_dim) and ``QV-Ka-2`` (2 x head_dim); ``≠`` and ``!=`` are accepted for ``-``, case is ignored.
+
+    Key/value heads: a name with a head count (GQA-g, MQA, Q-GQA-g, Q-MQA) sets g; a name without one keeps the
+    base's (``Q-K=V`` of a GQA-3 model is Q-GQA-3), except the modes whose query is the key (Q=K-V, Q=K=V) and QV-Ka,
+    which need one key/value head per query head and get ``num_attention_heads``. "+" names get
+    ``attention_map_pe_dim`` (10 by default, the paper's synthetic and set tasks; its ViT uses 50).
+
+    Returns ``projection_sharing``, ``layer_projection_sharing`` (None: the name applies to every layer),
+    ``num_key_value_heads``, ``key_context_dim`` (0 except QV-Ka) and ``attention_map_pe_dim`` (0 without "+").
+    Raises a ValueError naming the variant for an unknown name or a head count that does not divide the heads.
     """
+    heads = _base_value(base, "num_attention_heads")
+    base_kv_heads = _base_value(base, "num_key_value_heads") or heads
     name = variant.strip().replace("≠", "-").replace("!=", "-").upper()
     plus = False
     match = re.fullmatch(r"\((.+)\)\+", name)
@@ -124,12 +194,14 @@ def parse_variant(variant: str, num_attention_heads: int, head_dim: int | None =
         name, plus = match.group(1), True
     key_context_dim = 0
     if name in QV_KA_CONTEXT_MULTIPLES:
-        if head_dim is None:
-            raise ValueError(f"variant={variant!r}: QV-Ka sets key_context_dim from head_dim; pass head_dim.")
+        head_dim = _base_value(base, "head_dim")
+        if head_dim is None:  # as `__post_init__` derives it
+            head_dim = _base_value(base, "hidden_size") // heads
         key_context_dim = QV_KA_CONTEXT_MULTIPLES[name] * head_dim
-        fields = {"projection_sharing": "none", "num_key_value_heads": num_attention_heads}
+        mode, kv_heads = "none", heads
     elif name in _MODE_BY_PAPER_NAME:
-        fields = {"projection_sharing": _MODE_BY_PAPER_NAME[name], "num_key_value_heads": num_attention_heads}
+        mode = _MODE_BY_PAPER_NAME[name]
+        kv_heads = heads if SHARING_MODES[mode].query_is_key else base_kv_heads
     else:
         match = re.fullmatch(r"(Q-)?(?:GQA-(\d+)|(MQA))", name)
         if match is None or (plus and match):
@@ -137,14 +209,29 @@ def parse_variant(variant: str, num_attention_heads: int, head_dim: int | None =
                 f"variant={variant!r} is not a known variant; allowed: {', '.join(VARIANTS)} "
                 "(with <g> the number of key/value heads, and '+' only on QKV, Q=K-V, Q-K=V, Q=K=V, QV-Ka)."
             )
-        groups = 1 if match.group(3) else int(match.group(2))
-        if groups < 1 or num_attention_heads % groups:
+        kv_heads = 1 if match.group(3) else int(match.group(2))
+        if kv_heads < 1 or heads % kv_heads:
             raise ValueError(
-                f"variant={variant!r}: {groups} key/value heads must divide num_attention_heads={num_attention_heads}."
+                f"variant={variant!r}: {kv_heads} key/value heads must divide num_attention_heads={heads}."
             )
-        fields = {"projection_sharing": "kv" if match.group(1) else "none", "num_key_value_heads": groups}
-    fields["key_context_dim"] = key_context_dim
-    fields["attention_map_pe_dim"] = DEFAULT_ATTENTION_MAP_PE_DIM if plus else 0
+        mode = "kv" if match.group(1) else "none"
+    return {
+        "projection_sharing": mode,
+        "layer_projection_sharing": None,
+        "num_key_value_heads": kv_heads,
+        "key_context_dim": key_context_dim,
+        "attention_map_pe_dim": attention_map_pe_dim if plus else 0,
+    }
+
+
+def parse_variant(variant: str, num_attention_heads: int, head_dim: int | None = None) -> dict[str, Any]:
+    """`resolve_variant` against a multi-head base of `num_attention_heads` heads (key/value heads = heads), without
+    the ``layer_projection_sharing`` entry. QV-Ka names need ``head_dim``."""
+    if head_dim is None and variant.strip().upper().removeprefix("(").startswith("QV-KA"):
+        raise ValueError(f"variant={variant!r}: QV-Ka sets key_context_dim from head_dim; pass head_dim.")
+    base = {"num_attention_heads": num_attention_heads, "head_dim": head_dim}
+    fields = resolve_variant(variant, base)
+    fields.pop("layer_projection_sharing")
     return fields
 
 
@@ -160,10 +247,10 @@ def variant_name(config: "QKVShareConfig") -> str:
         name = multiple.get(config.key_context_dim, f"QV-Ka(d_ctx={config.key_context_dim})")
         return f"({name})+" if config.attention_map_pe_dim else name
     if kv_heads == heads:
-        name = PAPER_NAMES[mode]
+        name = SHARING_MODES[mode].paper_name
         return f"({name})+" if config.attention_map_pe_dim else name
     head_part = "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
-    return f"Q-{head_part}" if mode == "kv" else head_part
+    return f"Q-{head_part}" if SHARING_MODES[mode].kv_tied else head_part
 
 
 # Named presets (see README). The paper's models are GPT-2 style; the llama-* presets are the same shapes in
@@ -531,7 +618,7 @@ class QKVShareConfig(PreTrainedConfig):
                 _choice(f"layer_projection_sharing[{i}]", mode, PROJECTION_SHARING_MODES)
         for i in range(self.num_hidden_layers):
             mode = self.layer_sharing(i)
-            if mode in ("qk", "qkv") and self.num_key_value_heads != self.num_attention_heads:
+            if SHARING_MODES[mode].query_is_key and self.num_key_value_heads != self.num_attention_heads:
                 raise ValueError(
                     f"projection_sharing={mode!r} (layer {i}) ties the query to the key, so it needs "
                     f"num_key_value_heads == num_attention_heads ({self.num_attention_heads}), got "
@@ -627,22 +714,24 @@ class QKVShareConfig(PreTrainedConfig):
             return self.layer_types[layer_idx]
         return "full_attention" if self.sliding_window is None else "sliding_attention"
 
+    def layer_mode(self, layer_idx: int) -> SharingMode:
+        """The `SharingMode` of layer `layer_idx` (which projections it has, what its cache keeps)."""
+        return SHARING_MODES[self.layer_sharing(layer_idx)]
+
     def is_kv_tied(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` caches one tensor (its key and value are tied)."""
-        return self.layer_sharing(layer_idx) in ("kv", "qkv")
+        return self.layer_mode(layer_idx).kv_tied
 
     def is_query_key_tied(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s query is its key (Q=K: no `q_proj`, symmetric scores)."""
-        return self.layer_sharing(layer_idx) in ("qk", "qkv")
+        return self.layer_mode(layer_idx).query_is_key
 
     def layer_projections(self, layer_idx: int) -> tuple[str, ...]:
-        """The attention projections layer `layer_idx` has, by Llama's names: QKV q,k,v,o; Q=K-V k,v,o;
-        Q-K=V q,k,o; Q=K=V k,o (a shared projection does not exist at all)."""
-        query = () if self.is_query_key_tied(layer_idx) else ("q_proj",)
-        value = () if self.is_kv_tied(layer_idx) else ("v_proj",)
+        """The attention projections layer `layer_idx` has, by Llama's names (`SharingMode.projections`; QV-Ka
+        layers have `ctx_proj` and `k_mix` instead of `k_proj`)."""
         if self.key_context_dim:  # QV-Ka: keys from the context projection and the values (`k_mix`)
             return ("q_proj", "ctx_proj", "v_proj", "k_mix", "o_proj")
-        return (*query, "k_proj", *value, "o_proj")
+        return self.layer_mode(layer_idx).projections
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
@@ -722,7 +811,7 @@ class QKVShareConfig(PreTrainedConfig):
         Presets: ``tiny`` (tests), ``small`` (CPU pretraining), ``paper-300m``, ``paper-1.2b`` (the paper's
         GPT-2-style models, exact parameter counts), ``llama-300m``, ``llama-1.2b``, ``vit-paper`` (the paper's ViT,
         ViT-Base/16 shapes) and ``vit-small`` (8x8 grey digits, CPU). ``variant`` takes the paper's
-        names (see `parse_variant`); explicit overrides win over both. Its "+" variants take m =
+        names (see `resolve_variant`); explicit overrides win over both. Its "+" variants take m =
         `PRESET_ATTENTION_MAP_PE_DIMS` of the preset (50 for the vit-* presets, as the paper's ViT) or 10.
 
         Unlike a plain ``QKVShareConfig(...)``, an override that is not a config field (a typo such as
@@ -737,19 +826,9 @@ class QKVShareConfig(PreTrainedConfig):
             raise ValueError(f"preset={name!r} is not a known preset; allowed: {', '.join(PRESETS)}.")
         cls.check_field_names(overrides, f"QKVShareConfig.from_preset({name!r})")
         fields = dict(PRESETS[name])
-        if variant is not None:
-            heads = overrides.get("num_attention_heads", fields["num_attention_heads"])
-            head_dim = overrides.get("head_dim", fields.get("head_dim"))
-            if head_dim is None:  # as `__post_init__` derives it; a bad size is reported by the config's checks
-                hidden = overrides.get("hidden_size", fields["hidden_size"])
-                head_dim = hidden // heads if _is_int(hidden) and _is_int(heads) and heads > 0 else None
-            parsed = parse_variant(variant, heads, head_dim)
-            for optional in ("attention_map_pe_dim", "key_context_dim"):  # 0: keep the preset's (or override's)
-                if not parsed[optional]:
-                    parsed.pop(optional)
-            if parsed.get("attention_map_pe_dim"):  # the preset's m for "+" (10 for synthetic/sets, 50 for its ViT)
-                parsed["attention_map_pe_dim"] = PRESET_ATTENTION_MAP_PE_DIMS.get(name, DEFAULT_ATTENTION_MAP_PE_DIM)
-            fields.update(parsed)
+        if variant is not None:  # resolved against the preset as overridden (its head count, head_dim)
+            m = PRESET_ATTENTION_MAP_PE_DIMS.get(name, DEFAULT_ATTENTION_MAP_PE_DIM)
+            fields.update(resolve_variant(variant, fields | overrides, attention_map_pe_dim=m))
         fields.update(overrides)
         _fit_token_ids(name, fields, given=overrides.keys())
         return cls(**fields)
@@ -764,9 +843,9 @@ class QKVShareConfig(PreTrainedConfig):
         is then a zero bias), activation, tied embeddings, token ids. With ``variant=None`` the result is the
         source's own attention (QKV, or GQA with its key/value heads), so the source's weights load unchanged.
 
-        ``variant`` takes the paper's names (see `parse_variant`). A name without a head count (``QKV``, ``Q=K-V``,
-        ``Q-K=V``, ``Q=K=V``, "+" forms) keeps the source's key/value heads: ``Q-K=V`` of a GQA-3 model is
-        Q-GQA-3. ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>``, ``Q-MQA`` set g. Overrides win over both and are checked
+        ``variant`` takes the paper's names, resolved against the source's shape by `resolve_variant`: a name
+        without a head count keeps the source's key/value heads (``Q-K=V`` of a GQA-3 model is Q-GQA-3), Q=K names
+        and QV-Ka take one per head, ``GQA-<g>``, ``MQA``, ``Q-GQA-<g>``, ``Q-MQA`` set g. Overrides win over both and are checked
         like `from_preset`'s (a misspelt field names the closest one).
 
         A sliding attention window shorter than the positions (Mistral v0.1, Qwen2 with ``use_sliding_window``)
@@ -781,6 +860,8 @@ class QKVShareConfig(PreTrainedConfig):
                 f"{', '.join(map(repr, LLAMA_ARCHITECTURES))} (same attention, RMSNorm, SwiGLU and RoPE)."
             )
         cls.check_field_names(overrides, "QKVShareConfig.from_llama")
+        if not hasattr(config_or_dict, "to_dict"):  # a config.json: fields it leaves out take transformers' defaults
+            d = CONFIG_MAPPING[model_type](**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters")
         if not rope:  # config.json of transformers < 5: rope_theta and rope_scaling
@@ -817,10 +898,7 @@ class QKVShareConfig(PreTrainedConfig):
             )
             fields["max_position_embeddings"] = window
         if variant is not None:
-            parsed = parse_variant(variant, heads)
-            if "QA" not in variant.upper():  # no head count in the name: keep the source's key/value heads
-                parsed.pop("num_key_value_heads")
-            fields.update(parsed)
+            fields.update(resolve_variant(variant, fields))
         fields.update(overrides)
         return cls(**fields)
 
@@ -874,6 +952,10 @@ __all__ = [
     "PAPER_NAMES",
     "IMAGE_POOLINGS",
     "PATCH_POSITION_EMBEDDING_TYPES",
+    "SHARING_MODES",
+    "SharingMode",
+    "mode_for_projections",
     "parse_variant",
+    "resolve_variant",
     "variant_name",
 ]
