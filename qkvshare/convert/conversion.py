@@ -117,15 +117,20 @@ def plan_conversion(
             f"variant={variant!r} adds the '+' attention-map encoding, which has no counterpart in a Llama "
             "checkpoint; convert to the variant without '+' (its weights would start untrained)."
         )
-    if config.num_key_value_heads > source_kv:
-        raise ValueError(
-            f"variant={variant!r} needs {config.num_key_value_heads} key/value heads but the source has {source_kv} "
-            f"({shape}); a conversion can pool heads, not invent them. Choose at most {source_kv} (e.g. "
-            "Q-K=V, which keeps the source's heads, Q-MQA or MQA)."
-        )
     layers = range(config.num_hidden_layers)
     tied = any(config.is_kv_tied(i) for i in layers)
     query_tied = any(config.is_query_key_tied(i) for i in layers)
+    if config.num_key_value_heads > source_kv:
+        why = (
+            f"ties the query to the key, so it needs num_key_value_heads == num_attention_heads ({heads})"
+            if query_tied
+            else f"needs {config.num_key_value_heads} key/value heads"
+        )
+        raise ValueError(
+            f"the source ({shape}) cannot take variant={variant!r}: it {why} but the source has {source_kv}; a "
+            "conversion can pool heads, not invent them. Choose at most "
+            f"{source_kv} (e.g. Q-K=V, which keeps the source's heads, Q-MQA or MQA)."
+        )
     if method is not None and not tied:
         raise ValueError(
             f"method={method!r} chooses how K=V layers are made, but variant={variant!r} ({config.variant}) has no "
