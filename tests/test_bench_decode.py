@@ -183,6 +183,19 @@ def test_rss_comparison_arithmetic(tiny_rows):
     assert qkv_line.split(" | ")[-3:] == ["1.0", "0.5", "2.00 |"]  # MiB below Llama, cache MiB below, fraction
 
 
+def test_a_variant_name_means_one_config_in_bench_and_bench_decode():
+    # On a GQA base (2 key/value heads of 4), Q-K=V keeps the base's key/value heads in both benchmarks.
+    argv = ["--preset", "tiny", "--override", "num_key_value_heads=2", "--variants", "Q-K=V", "QKV", "Q-MQA"]
+    setup = bench.resolve_setup(bench.parse_args(argv))
+    from_bench = dict(setup.variants)
+    rows = bench_decode.build_models(setup.base, ["Q-K=V", "none", "Q-MQA"], ["dynamic"], CPU, torch.float32, 0)
+    from_decode = {r.name: r.config for r in rows}
+    for bench_name, decode_name in (("Q-K=V", "Q-K=V"), ("QKV", "none"), ("Q-MQA", "Q-MQA")):
+        assert from_bench[bench_name].to_diff_dict() == from_decode[decode_name].to_diff_dict(), bench_name
+    assert [from_bench[n].num_key_value_heads for n in ("Q-K=V", "QKV", "Q-MQA")] == [2, 2, 1]
+    assert from_bench["Q-K=V"].variant == "Q-GQA-2" and from_bench["Q-K=V"].projection_sharing == "kv"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

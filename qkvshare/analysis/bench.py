@@ -774,7 +774,7 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
         for name in args.decode_models:  # a ValueError naming a bad row before any model is built
             if name != "Llama":
                 try:
-                    bench_decode.decode_variant_config(base, name)
+                    variant_config(base, name)
                 except ValueError as err:
                     raise ValueError(f"--decode_models {name!r}: {err}") from None
     variants = check_variants(base, args.variants or default_variants(base, plus=False))

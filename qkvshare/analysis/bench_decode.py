@@ -6,7 +6,9 @@
 Method (printed above the table)
 - Models: the shape's `LlamaForCausalLM`, QKVShare `none` (the same computation: Llama's weights are copied in
   and the logits checked equal), `Q-K=V` (K=V tied at the shape's key/value heads: for SmolLM2's 3 kv heads that
-  is the paper's Q-GQA-3) and `Q-GQA-1` (K=V tied, one key/value head). Random weights, one process.
+  is the paper's Q-GQA-3) and `Q-GQA-1` (K=V tied, one key/value head). Random weights, one process. A row name is
+  a paper variant or a `projection_sharing` value, made from the shape as every command makes it
+  (`analysis.common.variant_config`), so a name means the same model here as in `qkvshare bench`.
 - Cache kinds, each built the way `generate()` builds it (`model._prepare_cache_for_generation`), so a model
   that picks its own cache for a `cache_implementation` is measured with that cache: dynamic (no
   `cache_implementation`), static, static + `torch.compile(fullgraph=True)` of the decode step, quantized
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvshare.analysis.common import markdown_table, model_fields, variant_config, with_fields
+from qkvshare.analysis.common import markdown_table, model_fields, variant_config
 from qkvshare.analysis.plotting import line_plot
 
 # Cache kinds of the decode table: (cache_implementation, cache_config, compile).
@@ -103,16 +105,6 @@ class Cell:
 # ----------------------------------------------------------------------------------------------------------------
 # models
 # ----------------------------------------------------------------------------------------------------------------
-def decode_variant_config(base, name: str):
-    """The QKVShare config of a decode-table row: "none" and "Q-K=V" keep the shape's key/value heads (so `none`
-    is exactly the shape's Llama and Q-K=V ties K=V within its heads); other names are paper variants."""
-    if name == "none":
-        return with_fields(base, projection_sharing="none", layer_projection_sharing=None, attention_map_pe_dim=0)
-    if name == "Q-K=V":
-        return with_fields(base, projection_sharing="kv", layer_projection_sharing=None, attention_map_pe_dim=0)
-    return variant_config(base, name)
-
-
 def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: int) -> list[DecodeModel]:
     """The Llama of the shape and the QKVShare rows (random init, ``seed``); `none` gets Llama's weights."""
     import torch
@@ -132,7 +124,7 @@ def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: 
             tied = [False] * cfg.num_hidden_layers
             rows.append(DecodeModel(name, llama, cfg, kinds, cfg.num_key_value_heads, cfg.head_dim, tied))
             continue
-        cfg = decode_variant_config(base, name)
+        cfg = variant_config(base, name)
         cfg._attn_implementation = "sdpa"
         model = QKVShareForCausalLM(cfg).to(device=device, dtype=dtype).eval()
         tied = [cfg.is_kv_tied(i) for i in range(cfg.num_hidden_layers)]
@@ -356,7 +348,7 @@ def rss_child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["model"] == "Llama":
         model = LlamaForCausalLM(llama_twin_config(base, attn_implementation="sdpa"))
     else:
-        cfg = decode_variant_config(base, spec["model"])
+        cfg = variant_config(base, spec["model"])
         cfg._attn_implementation = "sdpa"
         model = QKVShareForCausalLM(cfg)
     model = model.eval()

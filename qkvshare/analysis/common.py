@@ -4,8 +4,9 @@ The command-line conventions of every command (help layout, `--dtype` names, fil
 
 Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
-  variant is the base with only the sharing fields replaced (`projection_sharing`, `num_key_value_heads`,
-  `attention_map_pe_dim`, `key_context_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
+  variant is the base with only the sharing fields replaced, as the config module's `resolve_variant` gives them
+  (`projection_sharing`, `num_key_value_heads`, `attention_map_pe_dim`, `key_context_dim`; per-layer mixes are
+  cleared). So every variant of one table has the same shape, and a name means the same config in every command.
 - Llama-architecture config.json files (model_type llama/mistral/qwen2) map onto the Llama-style QKVShare fields
   (`QKVShareConfig.from_llama`), so the tools accept any such checkpoint directory.
 - Light at import time (standard library and `qkvshare.overrides` only): the commands' `parse_args` import it
@@ -115,13 +116,13 @@ def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
 
 
 def variant_config(base: QKVShareConfig, variant: str) -> QKVShareConfig:
-    """``base`` turned into the paper variant ``variant`` (same shape; only the sharing fields change)."""
-    from qkvshare.configuration_qkvshare import parse_variant
+    """``base`` turned into the paper variant ``variant`` (`resolve_variant`: same shape, only the sharing fields
+    change; a name without a head count keeps the base's key/value heads). A `projection_sharing` value ("none",
+    "qk", "kv", "qkv") is taken as its mode's paper name."""
+    from qkvshare.configuration_qkvshare import SHARING_MODES, resolve_variant
 
-    parsed = parse_variant(variant, base.num_attention_heads, base.head_dim)
-    if not parsed["attention_map_pe_dim"]:
-        parsed["attention_map_pe_dim"] = 0
-    return with_fields(base, layer_projection_sharing=None, **parsed)
+    name = SHARING_MODES[variant].paper_name if variant in SHARING_MODES else variant
+    return with_fields(base, **resolve_variant(name, base))
 
 
 def default_gqa_groups(num_heads: int) -> int | None:

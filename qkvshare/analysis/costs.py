@@ -66,22 +66,21 @@ DEFAULT_CONTEXT_LENS = (2048, 32000)
 # parameters
 # ----------------------------------------------------------------------------------------------------------------
 def attention_projection_shapes(config: QKVShareConfig, layer_idx: int) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection layer ``layer_idx`` has; a projection its sharing mode drops is absent. QV-Ka's
-    ``k_mix`` (no bias) is listed as a (d_ctx + D) -> H x D map: its parameters and per-token MACs."""
+    """(in, out) of each projection layer ``layer_idx`` has, by its Llama name (`config.layer_projections`: a
+    projection its sharing mode drops is absent). QV-Ka's ``k_mix`` (no bias) is listed as a (d_ctx + D) -> H x D
+    map: its parameters and per-token MACs."""
     d, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
     kv_out = config.num_key_value_heads * config.head_dim
-    if config.key_context_dim:
-        d_ctx = config.key_context_dim
-        return {
-            "q": (d, q_out),
-            "ctx": (d, d_ctx),
-            "v": (d, kv_out),
-            "k_mix": (d_ctx + config.head_dim, kv_out),
-            "o": (q_out, d),
-        }
-    present = {"none": "qkvo", "qk": "kvo", "kv": "qko", "qkv": "ko"}[config.layer_sharing(layer_idx)]
-    shapes = {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out), "o": (q_out, d)}
-    return {name: shapes[name] for name in present}
+    d_ctx = config.key_context_dim
+    shapes = {
+        "q_proj": (d, q_out),
+        "k_proj": (d, kv_out),
+        "v_proj": (d, kv_out),
+        "o_proj": (q_out, d),
+        "ctx_proj": (d, d_ctx),
+        "k_mix": (d_ctx + config.head_dim, kv_out),
+    }
+    return {name: shapes[name] for name in config.layer_projections(layer_idx)}
 
 
 def parameter_counts(config: QKVShareConfig) -> dict[str, int]:

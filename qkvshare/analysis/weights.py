@@ -33,8 +33,6 @@ if TYPE_CHECKING:  # torch and safetensors are imported by the functions that re
     import torch
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
-# Which projection a dropped one is (sharing mode -> present projections), as in the core library.
-_MODE_BY_PRESENT = {frozenset("qkv"): "none", frozenset("kv"): "qk", frozenset("qk"): "kv", frozenset("k"): "qkv"}
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -66,12 +64,14 @@ def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]
 
 def layer_modes(config: dict[str, Any], layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
     """Sharing mode per layer: from a QKVShare config, checked against (else inferred from) the tensors present."""
+    from qkvshare.configuration_qkvshare import mode_for_projections
+
     modes = {}
     for i, projs in layers.items():
-        present = frozenset(projs)
-        if present not in _MODE_BY_PRESENT:
-            raise ValueError(f"layer {i} has projections {sorted(present)}; expected q,k,v / k,v / q,k / k.")
-        inferred = _MODE_BY_PRESENT[present]
+        try:
+            inferred = mode_for_projections(f"{name}_proj" for name in projs).name
+        except ValueError as err:
+            raise ValueError(f"layer {i}: {err}") from None
         if config.get("model_type") == "qkvshare":
             per_layer = config.get("layer_projection_sharing")
             declared = per_layer[i] if per_layer else config.get("projection_sharing", "none")

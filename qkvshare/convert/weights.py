@@ -62,17 +62,17 @@ def attention_state(
         return out
 
     q, k, v = projection("q_proj", False), projection("k_proj", True), projection("v_proj", True)
-    shared_qk = q if query_method == "query" else k
-    projections = {"o_proj": projection("o_proj", False)}
-    mode = config.layer_sharing(layer_idx)
-    if mode == "none":
-        projections |= {"q_proj": q, "k_proj": k, "v_proj": v}
-    elif mode == "qk":
-        projections |= {"k_proj": shared_qk, "v_proj": v}
-    elif mode == "kv":
-        projections |= {"q_proj": q, "k_proj": v if method == "value" else k}
-    else:  # qkv
-        projections |= {"k_proj": v if method == "value" else shared_qk}
+    mode = config.layer_mode(layer_idx)
+    # The one k_proj of a tied layer: W_v for method="value" (K=V layers), else W_q for query_method="query" (Q=K
+    # layers), else W_k.
+    if mode.kv_tied and method == "value":
+        key = v
+    elif mode.query_is_key and query_method == "query":
+        key = q
+    else:
+        key = k
+    sources = {"q_proj": q, "k_proj": key, "v_proj": v, "o_proj": projection("o_proj", False)}
+    projections = {name: sources[name] for name in mode.projections}
     return {f"{name}.{kind}": t.clone() for name, p in projections.items() for kind, t in p.items()}
 
 

@@ -214,7 +214,7 @@ class Cell:
 
 def validate(args: SweepArgs) -> list[Cell]:
     """Check every argument before any training and return the cells of the sweep (a clear ValueError if bad)."""
-    from qkvshare.configuration_qkvshare import ATTENTION_MAP_PE_INITS, POSITION_EMBEDDING_TYPES, parse_variant
+    from qkvshare.configuration_qkvshare import ATTENTION_MAP_PE_INITS, POSITION_EMBEDDING_TYPES, resolve_variant
 
     axes = args.axes()
     for task in args.tasks:
@@ -232,7 +232,7 @@ def validate(args: SweepArgs) -> list[Cell]:
     for heads in axes["heads"]:
         for variant in args.variants:
             for emb in axes["embedding_sizes"]:
-                parse_variant(variant, heads, emb // heads)  # raises a ValueError naming the variant
+                resolve_variant(variant, {"num_attention_heads": heads, "hidden_size": emb})  # names a bad variant
     for emb in axes["embedding_sizes"]:
         for heads in axes["heads"]:
             if emb % heads:

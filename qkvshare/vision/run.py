@@ -183,13 +183,14 @@ def validate(args: VisionArgs) -> None:
 
     `check_args` (light: what `parse_args` answers without torch), then the checks that need the config module.
     """
-    from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, parse_variant
+    from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, resolve_variant
 
     check_args(args)
     _choice("pooling", args.pooling, IMAGE_POOLINGS)
     _choice("patch_position_embedding_type", args.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
+    shape = {"num_attention_heads": args.heads, "hidden_size": args.hidden_size}
     for variant in args.variants:
-        parse_variant(variant, args.heads)  # a ValueError naming the variant
+        resolve_variant(variant, shape)  # a ValueError naming the variant
 
 
 def check_args(args: VisionArgs) -> None:
@@ -272,7 +273,7 @@ def make_cells(args: VisionArgs, data_path: str, patch_size: int | None) -> list
 def build_config(cell: Cell, num_labels: int, image_size: int | None = None, attn_implementation: str | None = None):
     """The config of a cell: `vit-small` resized (classify), or the same blocks without positions (sets)."""
     from qkvshare import QKVShareConfig
-    from qkvshare.configuration_qkvshare import parse_variant
+    from qkvshare.configuration_qkvshare import resolve_variant
 
     shape = dict(
         hidden_size=cell.hidden_size,
@@ -285,7 +286,7 @@ def build_config(cell: Cell, num_labels: int, image_size: int | None = None, att
         image = dict(image_size=image_size, patch_size=cell.patch_size, num_channels=3, num_labels=num_labels)
         image |= dict(pooling=cell.pooling, patch_position_embedding_type=cell.patch_position_embedding_type)
         return QKVShareConfig.from_preset(PRESET, cell.variant, **shape, **image)
-    if parse_variant(cell.variant, cell.heads)["attention_map_pe_dim"]:  # "+": the set task's m
+    if resolve_variant(cell.variant, shape)["attention_map_pe_dim"]:  # "+": the set task's m
         shape["attention_map_pe_dim"] = SET_ATTENTION_MAP_PE_DIM
     return QKVShareConfig.from_preset(PRESET, cell.variant, **shape)
 
