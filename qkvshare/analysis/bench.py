@@ -48,17 +48,15 @@ from typing import TYPE_CHECKING, Any
 from qkvshare.analysis import bench_decode
 from qkvshare.analysis.common import (
     PRESET_HELP,
-    base_config,
+    base_and_variants,
     check_nonempty,
     check_shape_source,
-    check_variants,
-    default_variants,
     markdown_table,
     parse_overrides,
     variant_config,
     with_fields,
 )
-from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument, torch_dtype
+from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument, report_bad_input, torch_dtype
 from qkvshare.analysis.plotting import line_plot
 
 if TYPE_CHECKING:
@@ -763,7 +761,7 @@ def shape_preset(args: argparse.Namespace) -> str | None:
 
 def resolve_setup(args: argparse.Namespace) -> Setup:
     """Build the configs and check what `parse_args` could not; a `ValueError` naming the option, before any model."""
-    base = base_config(shape_preset(args), args.model_dir, parse_overrides(args.override))
+    base, variants = base_and_variants(shape_preset(args), args.model_dir, args.override, args.variants, plus=False)
     longest = max(args.context_lens + [args.train_seq_len]) + args.new_tokens
     if base.max_position_embeddings < longest:  # RoPE/none: only a config limit; learned: needs the rows
         base = with_fields(base, max_position_embeddings=longest)
@@ -777,7 +775,6 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
                     variant_config(base, name)
                 except ValueError as err:
                     raise ValueError(f"--decode_models {name!r}: {err}") from None
-    variants = check_variants(base, args.variants or default_variants(base, plus=False))
     tie_points = list(dict.fromkeys(args.kv_tie_points or [base.kv_tie_point]))
 
     import torch
@@ -796,13 +793,18 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu.")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    output_dir = Path(args.output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create --output_dir {args.output_dir!r} ({err}).") from None
     return Setup(
         base=base,
         variants=variant_configs(base, variants, tie_points),
         device=device,
         dtype_name=dtype_name,
         clock=time.process_time if args.timer == "cpu" else time.perf_counter,
-        output_dir=Path(args.output_dir),
+        output_dir=output_dir,
     )
 
 
@@ -914,13 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         setup = resolve_setup(args)
-        setup.output_dir.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
-        print(f"qkvshare bench: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"qkvshare bench: cannot create --output_dir {args.output_dir!r} ({err}).", file=sys.stderr)
-        return 2
+        return report_bad_input("bench", err)
     import torch
 
     if args.threads:

@@ -107,6 +107,19 @@ def base_config(preset: str | None = None, model_dir: str | None = None, overrid
     return with_fields(base, **(overrides or {})) if overrides else base
 
 
+def base_and_variants(
+    preset: str | None,
+    model_dir: str | None,
+    override_items: Iterable[str] | None,
+    variants: Sequence[str] | None,
+    plus: bool,
+) -> tuple[QKVShareConfig, list[str]]:
+    """A command's base config (`base_config` with its `--override` items) and the variant names to measure on it:
+    ``variants``, or `default_variants` of the base (with ``plus``); each name checked (a ValueError naming it)."""
+    base = base_config(preset, model_dir, parse_overrides(override_items))
+    return base, check_variants(base, variants or default_variants(base, plus))
+
+
 def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
     """A copy of ``config`` with some model fields replaced (validated like any new config)."""
     from qkvshare.configuration_qkvshare import QKVShareConfig

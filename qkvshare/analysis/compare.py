@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvshare.analysis.common import PRESET_HELP, check_nonempty, check_variants, default_variants, markdown_table
-from qkvshare.analysis.conventions import HelpFormatter, slug
+from qkvshare.analysis.conventions import HelpFormatter, report_bad_input, slug
 from qkvshare.analysis.plotting import line_plot
 
 # Sized for about 30 minutes on 2 otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256
@@ -364,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.table_only:
             check_settings(output_dir, {"train_args": train_args, "variants": [label for label, _, _ in plan]})
     except ValueError as err:
-        print(f"qkvshare compare: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("compare", err)
 
     if not args.table_only:
         tokenizer = None

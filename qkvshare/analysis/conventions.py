@@ -1,4 +1,5 @@
-"""The command-line conventions every `qkvshare` command follows: help layout, `--dtype` names, file names.
+"""The command-line conventions every `qkvshare` command follows: help layout, `--dtype` names, file names, and
+how bad input is reported (one paragraph on stderr, exit status 2).
 
 Standard library only (torch is imported by `torch_dtype` when called), so a command's argument parser can import
 this module without torch or transformers: `qkvshare <command> --help` and bad arguments are answered at once.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 
 def slug(name: str) -> str:
@@ -19,6 +21,13 @@ def slug(name: str) -> str:
     s = name.replace("=", "_eq_").replace("(", "").replace(")", "").replace("+", "_plus")
     s = re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("._")
     return s or "_"
+
+
+def report_bad_input(command: str, err: BaseException) -> int:
+    """Print what is wrong with a command's input as one paragraph on stderr (``qkvshare <command>: error: ...``,
+    newlines folded) and return the exit status of bad input, 2."""
+    print(f"qkvshare {command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+    return 2
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -42,16 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 from qkvshare.analysis.common import (
     PRESET_HELP,
-    base_config,
+    base_and_variants,
     check_nonempty,
     check_shape_source,
-    check_variants,
-    default_variants,
     markdown_table,
     parse_overrides,
     variant_config,
 )
-from qkvshare.analysis.conventions import DTYPE_BYTES, DTYPE_NAMES, HelpFormatter
+from qkvshare.analysis.conventions import DTYPE_BYTES, DTYPE_NAMES, HelpFormatter, report_bad_input
 
 if TYPE_CHECKING:  # transformers and torch are imported after the command line is checked (fast --help)
     from qkvshare.configuration_qkvshare import QKVShareConfig
@@ -378,11 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `qkvshare costs`."""
     try:
         args = parse_args(argv)
-        base = base_config(args.preset, args.model_dir, parse_overrides(args.override))
-        variants = check_variants(base, args.variants or default_variants(base))
+        base, variants = base_and_variants(args.preset, args.model_dir, args.override, args.variants, plus=True)
     except ValueError as err:
-        print(f"qkvshare costs: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("costs", err)
     notes: list[str] = []
     seq_lens = resolve_lengths("seq_lens", args.seq_lens, DEFAULT_SEQ_LENS, base.max_position_embeddings, notes)
     context_lens = resolve_lengths(

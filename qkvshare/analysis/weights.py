@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qkvshare.analysis.conventions import HelpFormatter
+from qkvshare.analysis.conventions import HelpFormatter, report_bad_input
 from qkvshare.evaluation.common import read_config_json, weight_files
 
 if TYPE_CHECKING:  # torch and safetensors are imported by the functions that read weights (fast --help)
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = analyze(args.model)
     except (ValueError, KeyError) as err:
-        print(f"qkvshare analyze: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("analyze", err)
     text = json.dumps(report, indent=2) if args.format == "json" else format_markdown(report)
     print(text)
     if args.output:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import qkvshare.convert
-from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument
+from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument, report_bad_input
 from qkvshare.convert.calibration import (
     CALIBRATIONS,
     DEFAULT_CALIBRATION,
@@ -158,6 +158,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ValueError as err:
-        print(f"qkvshare convert: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_bad_input("convert", err)
     return 0

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qkvshare.analysis.conventions import slug
-from qkvshare.analysis.sweeps import dataclass_parser, mean_std, pending, print_sweep_result, read_results, run_cells
+from qkvshare.analysis import sweeps
+from qkvshare.analysis.conventions import report_bad_input, slug
 
 if TYPE_CHECKING:
     import torch
@@ -70,11 +70,7 @@ CSV_FIELDS = [
     "heads",
     "epochs",
     "accuracy",
-    "final_train_loss",
-    "steps",
-    "num_parameters",
-    "train_seconds",
-    "cpu_seconds",
+    *sweeps.RUN_FIELDS,
 ]
 
 
@@ -353,30 +349,16 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
     import torch
     from safetensors.torch import load_file
 
-    from qkvshare.train import schedule
-
     data = load_file(cell.data_path)
     torch.manual_seed(cell.seed)
     model = build_model(cell, data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, weight_decay=cell.weight_decay)
     total = cell.epochs * math.ceil(len(data["train_y"]) / cell.batch_size)
-    warmup = schedule.warmup_steps_for_fraction(cell.warmup_fraction, total)
     generator = torch.Generator().manual_seed(cell.seed)
-    losses: list[float] = []
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model.train()
-    for _ in range(cell.epochs):
-        for inputs, labels in batches(cell, data, generator):
-            lr = schedule.get_lr(len(losses), peak_lr=cell.lr, warmup_steps=warmup, max_steps=total, min_lr_ratio=0.0)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss = loss_and_logits(cell, model, inputs, labels)[0]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cell.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-    train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    stream = (batch for _ in range(cell.epochs) for batch in batches(cell, data, generator))
+    losses, summary = sweeps.train_steps(
+        model, optimizer, stream, lambda batch: loss_and_logits(cell, model, *batch)[0], total, cell
+    )
     accuracy = evaluate(cell, model, data)
     if save_dir is not None and cell.task == "classify":
         from .data import image_processor
@@ -396,13 +378,8 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
         "heads": cell.heads,
         "epochs": cell.epochs,
         "accuracy": round(accuracy, 5),
-        "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
-        "steps": total,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(train_seconds, 2),
-        "cpu_seconds": round(cpu_seconds, 2),
     }
-    return row, losses
+    return row | summary, losses
 
 
 def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
@@ -421,19 +398,9 @@ def model_dir_name(cell: Cell) -> str:
     return f"{cell.task}_{slug(cell.variant)}_s{cell.seed}"
 
 
-@dataclass
-class VisionResult:
-    """What `run_vision` did: keys trained now, keys skipped (already in the CSV), the table and the files."""
-
-    trained: list[str]
-    skipped: list[str]
-    rows: list[dict]
-    table: str
-    files: dict[str, str]
-
-
-def run_vision(args: VisionArgs) -> VisionResult:
+def run_vision(args: VisionArgs) -> sweeps.SweepResult:
     """Train every cell not in `results.csv` yet, then write the table and figures from all rows of this run."""
+    start = time.perf_counter()
     validate(args)
     if args.plots:
         from qkvshare._extras import check_extra
@@ -444,18 +411,18 @@ def run_vision(args: VisionArgs) -> VisionResult:
     out.mkdir(parents=True, exist_ok=True)
     cells = make_cells(args, data_path, patch_size)
     csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
-    todo, skipped = pending(cells, csv_path)
+    todo, skipped = sweeps.pending(cells, csv_path)
     first_seed = args.seeds[0]
 
     def save_dir(cell: Cell) -> str | None:
         return str(out / "models" / model_dir_name(cell)) if cell.seed == first_seed else None
 
     jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
-    trained = run_cells(
+    trained = sweeps.run_cells(
         jobs, _worker, csv_path, curves_path, CSV_FIELDS, ("task", "variant"), args.workers, f"{args.task} cells"
     )
     keys = {cell.key for cell in cells}
-    rows = [row for row in read_results(csv_path) if row["key"] in keys]
+    rows = [row for row in sweeps.read_results(csv_path) if row["key"] in keys]
     table = results_table(rows, args)
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
@@ -474,7 +441,7 @@ def run_vision(args: VisionArgs) -> VisionResult:
             )
             if maps:
                 files["attention_maps_png"] = maps
-    return VisionResult(trained=trained, skipped=skipped, rows=rows, table=table, files=files)
+    return sweeps.SweepResult(trained, skipped, rows, table, files, seconds=time.perf_counter() - start)
 
 
 def results_table(rows: list[dict], args: VisionArgs) -> str:
@@ -494,7 +461,7 @@ def results_table(rows: list[dict], args: VisionArgs) -> str:
         if not mine:
             lines.append(f"| {variant} | - | 0 | - |")
             continue
-        mean, std = mean_std(float(r["accuracy"]) for r in mine)
+        mean, std = sweeps.mean_std(float(r["accuracy"]) for r in mine)
         means[variant] = mean
         lines.append(f"| {variant} | {mean:.3f} ± {std:.3f} | {len(mine)} | {int(mine[0]['num_parameters']):,} |")
     paper = [means[v] for v in PAPER_VARIANTS if v in means]
@@ -506,7 +473,7 @@ def results_table(rows: list[dict], args: VisionArgs) -> str:
 
 def parse_args(argv: list[str] | None) -> VisionArgs:
     """The command line as `VisionArgs` (one flag per field), checked by `check_args` (a ValueError if bad)."""
-    parser = dataclass_parser(
+    parser = sweeps.dataclass_parser(
         VisionArgs,
         "qkvshare vision",
         "Train ViT variants on images (or the set anomaly task) over variants x seeds (resumable).",
@@ -523,19 +490,16 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         validate(args)
     except ValueError as error:
-        print(f"qkvshare vision: error: {error}", file=sys.stderr)
-        return 2
+        return report_bad_input("vision", error)
     print(
         f"{args.task}: {len(args.variants)} variants x {len(args.seeds)} seeds on {args.dataset}, "
         f"{args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
     )
-    start = time.perf_counter()
     try:
         result = run_vision(args)
     except ValueError as error:  # bad data (columns, sizes, classes) found while preparing it, before training
-        print(f"qkvshare vision: error: {error}", file=sys.stderr)
-        return 2
-    print_sweep_result(result, start)
+        return report_bad_input("vision", error)
+    sweeps.print_sweep_result(result)
     return 0
 
 
