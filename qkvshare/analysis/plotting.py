@@ -1,9 +1,20 @@
-"""Line plots for the analysis commands (matplotlib, Agg backend: files only, no display needed)."""
+"""Plots of the commands (matplotlib, Agg backend: files only, no display needed): `pyplot` for every figure, and
+the line plots of the analysis commands."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
+
+
+def pyplot(feature: str, hint: str = "") -> ModuleType:
+    """`matplotlib.pyplot` on the Agg backend, or a `MissingExtraError` naming the "plots" extra that ``feature``
+    needs (``hint``: a way around, e.g. "or pass --no_plots")."""
+    from qkvshare._extras import require
+
+    require("matplotlib", "plots", feature, hint=hint).use("Agg")
+    return require("matplotlib.pyplot", "plots", feature, hint=hint)
 
 
 def line_plot(
@@ -22,10 +33,7 @@ def line_plot(
     Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed. ``ylabels`` gives a panel
     its own y label (by panel title; ``ylabel`` for the others).
     """
-    from qkvshare._extras import require
-
-    require("matplotlib", "plots", "plots").use("Agg")
-    plt = require("matplotlib.pyplot", "plots", "plots")
+    plt = pyplot("plots")
 
     groups = dict(panels) if panels else {title: series}
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
