@@ -673,8 +673,10 @@ def run(args, setup, log=print) -> str:
         for r in rows
         if r.parity_max_abs_diff is not None
     ]
+    timer = "process CPU time" if args.timer == "cpu" else "wall time"
     text = [
-        f"## qkvshare bench --decode: {shape}; {setup.device}, {setup.dtype_name}, {torch.get_num_threads()} threads",
+        f"## qkvshare bench --decode: {shape}; {setup.device}, {setup.dtype_name}, {torch.get_num_threads()} threads, "
+        f"{timer}",
         "",
         method_note(args.new_tokens, args.repeats, max(args.repeats, args.max_repeats or args.repeats)),
         "",
@@ -699,7 +701,7 @@ def run(args, setup, log=print) -> str:
     # The figure: the first cache kind asked for (dynamic by default) at the smallest batch.
     batch, kind = min(args.batch_sizes), args.decode_caches[0]
     panels = figure_data(summary, batch, kind)
-    title = f"{shape}: {kind} cache, batch {batch} ({setup.device}, {setup.dtype_name})"
+    title = f"{shape}: {kind} cache, batch {batch} ({setup.device}, {setup.dtype_name}, {timer})"
     figure = write_figure(Path(args.decode_plot) if args.decode_plot else out / "decode.png", panels, title)
     report = {
         "settings": {**vars(args), "device": str(setup.device), "dtype": setup.dtype_name, "torch": torch.__version__},

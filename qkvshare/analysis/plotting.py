@@ -30,7 +30,7 @@ def line_plot(
 ) -> Path:
     """Save a PNG with one line per series name; ``panels`` draws several side-by-side subplots instead.
 
-    Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed. ``ylabels`` gives a panel
+    Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed, above the others. ``ylabels`` gives a panel
     its own y label (by panel title; ``ylabel`` for the others).
     """
     plt = pyplot("plots")
@@ -46,6 +46,7 @@ def line_plot(
                 marker="o" if len(xs) <= 30 else None,
                 color=colors[k % len(colors)],
                 linestyle="--" if name in dashed else "-",
+                zorder=3 if name in dashed else 2,  # a reference stays visible where a series lies on it
                 label=name,
             )
         ax.set_xlabel(xlabel)
