@@ -49,8 +49,9 @@ from .version import __version__
 logger = logging.get_logger(__name__)
 
 # PEFT's default LoRA targets for this model type: the attention projections, those a layer has (Q=K=V layers
-# only have k_proj). Llama's default (q_proj, v_proj) would adapt only q_proj on Q-K=V and nothing on Q=K=V.
-PEFT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj")
+# only have k_proj; QV-Ka layers q_proj, ctx_proj and v_proj, its per-head key maps `k_mix` being no Linear that LoRA
+# wraps). Llama's default (q_proj, v_proj) would adapt only q_proj on Q-K=V and nothing on Q=K=V.
+PEFT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "ctx_proj")
 
 
 def register_peft_defaults() -> bool:

@@ -53,20 +53,26 @@ Design notes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
+    DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     Fp8QuantizedLayer,
     HQQQuantizedLayer,
+    QuantizedCache,
     QuantoQuantizedLayer,
+    StaticCache,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
@@ -177,10 +183,21 @@ class TiedStaticLayer(OneTensorLayerMixin, StaticLayer):
     """Static cache layer for a tied-K/V attention layer: one preallocated buffer instead of transformers' two.
 
     State: `keys` (B, H_kv, max_cache_len, D), allocated (zeros) on the first update and written in place at the
-    slots of the new tokens; returned as both key and value. `values` stays None. `cumulative_length` (a 0-d tensor,
-    as in `StaticLayer`) counts the tokens written; slots beyond it are hidden by the mask (its key length is
-    `max_cache_len`, see `StaticLayer.get_mask_sizes`).
+    slots of the new tokens; returned as both key and value. `values` is that same buffer (the value is the key), so
+    code that reads a static layer's `values`, as transformers' does, sees the cached values without a second
+    buffer. `cumulative_length` (a 0-d tensor, as in `StaticLayer`) counts the tokens written; slots beyond it are
+    hidden by the mask (its key length is `max_cache_len`, see `StaticLayer.get_mask_sizes`).
     """
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The one buffer, read as the values (None before the first update)."""
+        return self.keys
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None and value is not self.keys:
+            raise ValueError(f"{type(self).__name__} stores one tensor: its values are its keys, not a second tensor.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         # StaticLayer's own initialization would allocate a second (value) buffer: same steps, one buffer.
@@ -601,35 +618,76 @@ def _tensor_nbytes(value: object) -> int:
 
 
 def cache_layer_nbytes(layer: CacheLayerMixin) -> int:
-    """Bytes a cache layer holds, ours or transformers' (dynamic, static, sliding, quantized)."""
+    """Bytes a cache layer holds, ours or transformers' (dynamic, static, sliding, quantized); a tensor held under two
+    names (a static tied layer's keys and values) counts once."""
     if hasattr(layer, "nbytes"):  # layers that know their own size (the linear-attention state)
         return layer.nbytes()
     # Full-precision tensors (for quantized layers: the residual buffers) and, for quantized layers, quantized ones.
     held = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(_tensor_nbytes(getattr(layer, name, None)) for name in held)
+    unique = {id(value): value for value in (getattr(layer, name, None) for name in held) if value is not None}
+    return sum(_tensor_nbytes(value) for value in unique.values())
 
 
-class QKVShareCache(Cache):
-    """Dynamic KV cache for QKVShare models: one tensor per tied layer, key and value per untied layer.
+class Rotation(NamedTuple):
+    """RoPE of one forward for the layers of one attention type (None where the model has no RoPE).
 
-    Args:
-        config: the model's `QKVShareConfig` (decides per layer what is stored).
-        offloading: keep layers in CPU memory between uses (transformers' `Cache` option, which needs CUDA);
-            `generate(cache_implementation="offloaded")` sets it.
+    new: cos/sin (B, T_new, D) of the new tokens' positions.
+    keys: cos/sin (B, T_keys, D) of every key those layers attend to (cached + new), computed only when some layer
+        rotates cached keys on read (pre-RoPE ties and QV-Ka with a QKVShare cache); None otherwise.
+    """
+
+    new: tuple[torch.Tensor, torch.Tensor]
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """RoPE on one tensor (B, H, T, D) with cos/sin (B, T, D) (Llama's `apply_rotary_pos_emb` on one tensor); the
+    identity when `rope` is None (models without RoPE)."""
+    if rope is None:
+        return x
+    cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+KeyMaker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attended_states(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    kv_tie_point: str | None,
+    make_key: KeyMaker | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value attention reads for the new tokens alone, from what `QKVShareCacheMixin.attend` takes (see
+    there; `rope` is the new tokens' cos/sin): what a layer computes without a cache, and what a transformers cache
+    stores (two tensors, whatever the layer ties)."""
+    if make_key is not None:  # QV-Ka: the key from the context and the value
+        return rotate(make_key(key, value), rope), value
+    rotated = rotate(key, rope)
+    if value is key and kv_tie_point != "pre_rope":  # a post-RoPE tie: the value is the rotated key
+        return rotated, rotated
+    return rotated, value
+
+
+class QKVShareCacheMixin:
+    """What every QKVShare cache is, whatever its kind (dynamic, static, quantized): layers laid out by the model's
+    config (`CacheLayout`), the positions of the cached tokens when the model needs them, and `attend`, the one
+    method through which an attention layer stores its new states and reads every cached one.
 
     State:
         layout: the `CacheLayout` the cache was built for. A model refuses a cache whose layout is not its own
-            (e.g. built from another config): build it with `QKVShareCache(config=model.config)`.
-        layers: one cache layer per decoder layer: `TiedKVLayer` (one tensor (B, H_kv, T, D)) for modes "kv"
-            and "qkv", `DynamicLayer` (keys and values, each (B, H_kv, T, D)) otherwise, their sliding-window forms
-            (`TiedSlidingWindowLayer`, `DynamicSlidingWindowLayer`: at most sliding_window - 1 tokens kept) for
-            "sliding_attention" layers, and a constant-size `LinearAttentionStateLayer` with
-            `attention_kernel="linear"`.
+            (e.g. built from another config): build it with the cache class and `config=model.config`.
+        layers: one cache layer per decoder layer, of the class the cache kind gives each layer kind (a tied kind
+            keeps one tensor, see the module docstring).
         position_layers: attention type -> a tied layer of that type holding the (B, 1, T, 1) int64 position ids of
-            the cached tokens, kept only when `layout.track_positions` (pre-RoPE ties, "+" encoding); empty
-            otherwise. `positions` gives them as (B, T).
+            the cached tokens, kept only when `layout.track_positions` (pre-RoPE ties, "+" encoding, ALiBi, QV-Ka
+            with RoPE); empty otherwise. `positions` gives them as (B, T).
 
-    `generate()` and a forward with `use_cache=True` create one by default. `nbytes()` gives the bytes held.
+    The concrete classes put this first and a transformers cache class second (`QKVShareCache` is a `DynamicCache`,
+    `QKVShareStaticCache` a `StaticCache`, `QKVShareQuantizedCache` a `QuantizedCache`), so `isinstance` checks that
+    transformers and users make on the cache kind hold. Their layers are built here, not by those classes' own
+    `__init__` (which would build K/V layers from the config).
     """
 
     _rebuild_arguments = ""  # what `check_layout`'s message adds after `config=` to build a fitting cache
@@ -644,16 +702,10 @@ class QKVShareCache(Cache):
         self.layout: CacheLayout = CacheLayout.for_config(config)
         kinds, types = self.layout.layer_kinds, self.layout.attention_types
         layers = [self.new_layer(kind, attention_type) for kind, attention_type in zip(kinds, types)]
-        super().__init__(layers=layers, offloading=offloading)
+        Cache.__init__(self, layers=layers, offloading=offloading)
         self.position_layers: dict[str, CacheLayerMixin] = {}
         if self.layout.track_positions:
             self.position_layers = {t: self.new_position_layer(t) for t in self.layout.present_attention_types}
-
-    def new_layer(self, kind: str, attention_type: str = "full_attention") -> CacheLayerMixin:
-        """An empty cache layer of this kind (a key of `LAYER_CLASSES`) and attention type."""
-        if attention_type == "sliding_attention":
-            return SLIDING_LAYER_CLASSES[kind](sliding_window=self.layout.sliding_window)
-        return LAYER_CLASSES[kind]()
 
     def new_position_layer(self, attention_type: str) -> CacheLayerMixin:
         """The layer that keeps the position ids of the tokens cached by layers of this attention type: a tied layer
@@ -707,6 +759,35 @@ class QKVShareCache(Cache):
             return dict.fromkeys(self.layout.present_attention_types, position_ids)
         ids = position_ids.to(torch.long)[:, None, :, None]  # (B, 1, T_new, 1): a one-head, one-channel state
         return {t: layer.update(ids, None)[0][:, 0, :, 0] for t, layer in self.position_layers.items()}
+
+    def attend(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotation: Rotation | None,
+        make_key: KeyMaker | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer_idx`'s new states as its layer kind keeps them; return the key and value it attends to.
+
+        key: the key projection's output before RoPE (B, H_kv, T_new, D), or QV-Ka's context G (B, 1, T_new, d_ctx);
+        value: the value (B, H_kv, T_new, D), the same tensor as `key` in a tied layer; rotation: this forward's RoPE
+        for the layer's attention type; make_key: QV-Ka's key map (context, value) -> key.
+        The cache decides what it keeps: a tied layer one tensor (the rotated key, or for pre-RoPE ties the unrotated
+        one, rotated here on read at the cached positions), a QV-Ka layer G and V (the keys of every cached token
+        are recomputed and rotated on read), any other layer the rotated key and the value.
+        """
+        kind, layer = self.layout.layer_kinds[layer_idx], self.layers[layer_idx]
+        if kind == "context_value":
+            context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
+            return rotate(make_key(context, value), rotation and rotation.keys), value
+        if kind == "tied":
+            if self.layout.kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
+                stored, _ = layer.update(key, None)
+                return rotate(stored, rotation.keys), stored
+            stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
+            return stored, stored
+        return layer.update(rotate(key, rotation and rotation.new), value)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds: the cached states (see `layer_nbytes`) plus the positions."""
@@ -764,7 +845,31 @@ class QKVShareCache(Cache):
                 layer.lazy_initialization(torch.zeros((batch_size, 1, 0, 1), dtype=torch.long, device=device))
 
 
-class QKVShareStaticCache(QKVShareCache):
+class QKVShareCache(QKVShareCacheMixin, DynamicCache):
+    """Dynamic KV cache for QKVShare models: one tensor per tied layer, key and value per untied layer.
+
+    Args:
+        config: the model's `QKVShareConfig` (decides per layer what is stored).
+        offloading: keep layers in CPU memory between uses (transformers' `Cache` option, which needs CUDA);
+            `generate(cache_implementation="offloaded")` sets it.
+
+    State (see `QKVShareCacheMixin`): `layout`, `position_layers`, and `layers`: `TiedKVLayer` (one tensor
+    (B, H_kv, T, D)) for modes "kv" and "qkv", `DynamicLayer` (keys and values, each (B, H_kv, T, D)) otherwise, their
+    sliding-window forms (`TiedSlidingWindowLayer`, `DynamicSlidingWindowLayer`: at most sliding_window - 1 tokens
+    kept) for "sliding_attention" layers, `ContextValueLayer` for QV-Ka and a constant-size
+    `LinearAttentionStateLayer` with `attention_kernel="linear"`.
+
+    `generate()` and a forward with `use_cache=True` create one by default. `nbytes()` gives the bytes held.
+    """
+
+    def new_layer(self, kind: str, attention_type: str = "full_attention") -> CacheLayerMixin:
+        """An empty dynamic cache layer of this kind (a key of `LAYER_CLASSES`) and attention type."""
+        if attention_type == "sliding_attention":
+            return SLIDING_LAYER_CLASSES[kind](sliding_window=self.layout.sliding_window)
+        return LAYER_CLASSES[kind]()
+
+
+class QKVShareStaticCache(QKVShareCacheMixin, StaticCache):
     """Static (preallocated) KV cache for QKVShare models: one buffer per tied layer, two per untied layer.
 
     Args:
@@ -814,7 +919,7 @@ class QKVShareStaticCache(QKVShareCache):
         return STATIC_LAYER_CLASSES[kind](max_cache_len=self.max_cache_len)
 
 
-class QKVShareQuantizedCache(QKVShareCache):
+class QKVShareQuantizedCache(QKVShareCacheMixin, QuantizedCache):
     """Quantized KV cache for QKVShare models (transformers' KIVI-style `QuantizedCache`): one quantized tensor plus
     one residual buffer per tied layer, two of each per untied layer.
 
@@ -895,6 +1000,83 @@ class QKVShareQuantizedCache(QKVShareCache):
         return TiedKVLayer()
 
 
+class ForeignCache:
+    """A transformers cache (`DynamicCache`, `StaticCache`, ...) given to a QKVShare model, behind the same `attend`
+    and `update_positions` as the QKVShare caches. It stores what attention reads, two tensors per layer whatever the
+    layer ties: exact, with no saving. It records no positions, so `cache_for_model` refuses it where they are needed.
+    """
+
+    def __init__(self, cache: Cache, layout: CacheLayout):
+        self.cache = cache  # the user's cache, filled in place
+        self.layout = layout
+
+    def update_positions(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The new tokens' positions for every attention type: without recorded positions, that is all there is."""
+        return dict.fromkeys(self.layout.present_attention_types, position_ids)
+
+    def attend(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotation: Rotation | None,
+        make_key: KeyMaker | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `QKVShareCacheMixin.attend`, storing the attended key and value of the new tokens."""
+        rope = rotation.new if rotation is not None else None
+        states = attended_states(key, value, rope, self.layout.kv_tie_point, make_key)
+        return self.cache.update(*states, layer_idx)
+
+
+def cache_for_model(
+    cache: Cache | None, config: QKVShareConfig, layout: CacheLayout
+) -> QKVShareCacheMixin | ForeignCache | None:
+    """The cache a model's layers write through, from the `cache` given to its forward: a QKVShare cache itself (after
+    checking it was built for this model), a transformers cache behind `ForeignCache`, or None.
+
+    Refuses, with a ValueError saying what to pass instead, a cache the model cannot use exactly: a QKVShare cache of
+    another layout; anything that is not a transformers `Cache`; any other cache with the linear kernel (its state
+    lives only in QKVShare caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do
+    not record positions, and assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another
+    number of layers. Cheap Python checks: no tensor is read.
+    """
+    if cache is None:
+        return None
+    if isinstance(cache, QKVShareCacheMixin):
+        cache.check_layout(layout)
+        return cache
+    name = type(cache).__name__
+    fix = (
+        "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "
+        "generate(cache_implementation='static') a QKVShareStaticCache) or cache=QKVShareCache(config=model.config)"
+    )
+    if not isinstance(cache, Cache):
+        raise ValueError(f"cache must be a transformers Cache, got a {name}; {fix}.")
+    if config.attention_kernel == "linear":
+        raise ValueError(
+            f"cache: attention_kernel='linear' keeps a constant-size state that only QKVShareCache holds, got a "
+            f"{name}; {fix}."
+        )
+    if config.adds_score_bias:  # the "+" map and ALiBi score every cached key by its position
+        if config.attention_map_pe_dim:
+            setting, why = f"attention_map_pe_dim={config.attention_map_pe_dim} (a '+' variant)", ""
+        else:
+            setting, why = "position_embedding_type='alibi'", " (its bias is -slope * distance)"
+        raise ValueError(
+            f"cache: {setting} needs the position of every cached key{why}, which only QKVShare caches record; a "
+            f"{name} does not (assuming positions 0..past-1 would be wrong for left-padded batches). To fix it, "
+            f"{fix}."
+        )
+    expected, held = config.num_hidden_layers, len(cache.layers)
+    grows = getattr(cache, "layer_class_to_replicate", None) is not None  # DynamicCache(): layers come on use
+    if held != expected and not (grows and held == 0):
+        raise ValueError(
+            f"cache: the {name} has {held} layers but this model has {expected}: it was built or filled for "
+            f"another model. Build it with {name}(config=model.config), or {fix}."
+        )
+    return ForeignCache(cache, layout)
+
+
 # ----- torch.export: the QKVShare caches as pytree nodes -----
 # torch.export takes only pytrees of tensors as inputs and outputs; a cache passed as `cache=` (or returned in the
 # output) must say how it splits into tensors and how it is rebuilt from them. The tensors are each layer's state
@@ -906,7 +1088,7 @@ _LAYER_STATE: dict[type[CacheLayerMixin], tuple[str, ...]] = {
     DynamicLayer: ("keys", "values"),
     TiedKVLayer: ("keys", "values"),
     StaticLayer: ("keys", "values", "cumulative_length"),
-    TiedStaticLayer: ("keys", "values", "cumulative_length"),
+    TiedStaticLayer: ("keys", "cumulative_length"),  # its values are its keys
     ContextValueLayer: ("keys", "values"),
     ContextValueStaticLayer: ("keys", "values", "cumulative_length"),
     LinearAttentionStateLayer: ("state", "normalizer"),
@@ -1010,6 +1192,10 @@ register_cache_pytree_nodes()
 
 __all__ = [
     "QKVShareCache",
+    "QKVShareCacheMixin",
+    "ForeignCache",
+    "Rotation",
+    "cache_for_model",
     "QKVShareStaticCache",
     "cache_layer_nbytes",
     "QKVShareQuantizedCache",

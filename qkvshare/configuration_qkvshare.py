@@ -565,7 +565,18 @@ class QKVShareConfig(PreTrainedConfig):
         super().validate_architecture()
 
     def check_sharing_fields(self) -> None:
-        """Checks run when the config is built; each raises a ValueError naming the field, value and what is allowed."""
+        """Checks run when the config is built, one per concern; each raises a ValueError naming the field, the
+        value and what is allowed."""
+        self._check_choices()
+        self._check_sizes()
+        self._check_heads()
+        self._check_attention_map_pe()
+        self._check_qv_ka()
+        self._check_linear_kernel()
+        self.check_window_fields()
+
+    def _check_choices(self) -> None:
+        """Every named-value field holds one of its names."""
         _choice("projection_sharing", self.projection_sharing, PROJECTION_SHARING_MODES)
         _choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
         _choice("kv_tie_point", self.kv_tie_point, KV_TIE_POINTS)
@@ -578,6 +589,17 @@ class QKVShareConfig(PreTrainedConfig):
         _choice("pooling", self.pooling, IMAGE_POOLINGS)
         _choice("patch_position_embedding_type", self.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
         _choice("hidden_act", self.hidden_act, tuple(ACT2FN))  # transformers' activations, as the MLPs look them up
+        if self.layer_projection_sharing is not None:
+            if len(self.layer_projection_sharing) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_projection_sharing has {len(self.layer_projection_sharing)} entries but "
+                    f"num_hidden_layers={self.num_hidden_layers}; give exactly one mode per layer."
+                )
+            for i, mode in enumerate(self.layer_projection_sharing):
+                _choice(f"layer_projection_sharing[{i}]", mode, PROJECTION_SHARING_MODES)
+
+    def _check_sizes(self) -> None:
+        """Sizes are positive, probabilities and scales in their ranges, the patch grid tiles the image."""
         sizes = (
             "vocab_size",
             "hidden_size",
@@ -603,19 +625,24 @@ class QKVShareConfig(PreTrainedConfig):
             raise ValueError(
                 f"norm_eps={self.norm_eps} must be > 0: it keeps the norm's division finite (1e-5 or 1e-6 are usual)."
             )
+        if not self.initializer_range >= 0:
+            raise ValueError(
+                f"initializer_range={self.initializer_range} must be >= 0: the standard deviation of the initial "
+                "weights (0.02 is usual)."
+            )
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}: the patch grid must "
+                "tile the image; choose a patch size that divides the image size."
+            )
+
+    def _check_heads(self) -> None:
+        """Key/value heads divide the heads; Q=K layers need one per head; RoPE needs an even head_dim."""
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
                 f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)."
             )
-        if self.layer_projection_sharing is not None:
-            if len(self.layer_projection_sharing) != self.num_hidden_layers:
-                raise ValueError(
-                    f"layer_projection_sharing has {len(self.layer_projection_sharing)} entries but "
-                    f"num_hidden_layers={self.num_hidden_layers}; give exactly one mode per layer."
-                )
-            for i, mode in enumerate(self.layer_projection_sharing):
-                _choice(f"layer_projection_sharing[{i}]", mode, PROJECTION_SHARING_MODES)
         for i in range(self.num_hidden_layers):
             mode = self.layer_sharing(i)
             if SHARING_MODES[mode].query_is_key and self.num_key_value_heads != self.num_attention_heads:
@@ -626,52 +653,59 @@ class QKVShareConfig(PreTrainedConfig):
                 )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for position_embedding_type='rope'.")
+
+    def _check_attention_map_pe(self) -> None:
+        """The "+" map: m = 0 (off) or at least 2."""
         if self.attention_map_pe_dim < 0 or self.attention_map_pe_dim == 1:
             raise ValueError(
                 f"attention_map_pe_dim={self.attention_map_pe_dim} must be 0 (off) or at least 2 (the paper uses 10)."
             )
+
+    def _check_qv_ka(self) -> None:
+        """QV-Ka (`key_context_dim`) combines with no other sharing, no GQA, the softmax kernel and no window."""
         if self.key_context_dim < 0:
             raise ValueError(
                 f"key_context_dim={self.key_context_dim} must be 0 (off) or a positive d_ctx (QV-Ka: head_dim or "
                 "2 x head_dim)."
             )
-        if self.key_context_dim:
-            modes = sorted({self.layer_sharing(i) for i in range(self.num_hidden_layers)} - {"none"})
-            problems = [f"projection_sharing={mode!r} (needs 'none' in every layer)" for mode in modes]
-            if self.num_key_value_heads != self.num_attention_heads:
-                problems.append(
-                    f"num_key_value_heads={self.num_key_value_heads} (needs num_attention_heads="
-                    f"{self.num_attention_heads}: one key per head, built from that head's value)"
-                )
-            if self.attention_kernel != "softmax":
-                problems.append(f"attention_kernel={self.attention_kernel!r} (needs 'softmax')")
-            if self.sliding_window is not None:
-                problems.append(f"sliding_window={self.sliding_window} (the cache of G and V has no sliding form)")
-            if problems:
-                raise ValueError(
-                    f"key_context_dim={self.key_context_dim} (QV-Ka) builds each head's key from its own value and a "
-                    f"shared context, which does not combine with {'; '.join(problems)}. Set key_context_dim=0 for "
-                    "the other variants."
-                )
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}: the patch grid must "
-                "tile the image; choose a patch size that divides the image size."
+        if not self.key_context_dim:
+            return
+        modes = sorted({self.layer_sharing(i) for i in range(self.num_hidden_layers)} - {"none"})
+        problems = [f"projection_sharing={mode!r} (needs 'none' in every layer)" for mode in modes]
+        if self.num_key_value_heads != self.num_attention_heads:
+            problems.append(
+                f"num_key_value_heads={self.num_key_value_heads} (needs num_attention_heads="
+                f"{self.num_attention_heads}: one key per head, built from that head's value)"
             )
-        if self.attention_kernel == "linear":
-            if any(self.layer_sharing(i) != "qkv" for i in range(self.num_hidden_layers)):
-                raise ValueError(
-                    "attention_kernel='linear' is the Q=K=V recurrence of the paper's appendix: it needs "
-                    "projection_sharing='qkv' in every layer."
-                )
-            if self.attention_map_pe_dim or self.position_embedding_type in ("rope", "alibi") or not self.is_causal:
-                raise ValueError(
-                    "attention_kernel='linear' needs attention_map_pe_dim=0, position_embedding_type "
-                    "'learned' or 'none', and is_causal=True."
-                )
-            if not 0.0 < self.linear_attention_decay <= 1.0:
-                raise ValueError(f"linear_attention_decay={self.linear_attention_decay} must be in (0, 1].")
-        self.check_window_fields()
+        if self.attention_kernel != "softmax":
+            problems.append(f"attention_kernel={self.attention_kernel!r} (needs 'softmax')")
+        if self.sliding_window is not None:
+            problems.append(f"sliding_window={self.sliding_window} (the cache of G and V has no sliding form)")
+        if problems:
+            raise ValueError(
+                f"key_context_dim={self.key_context_dim} (QV-Ka) builds each head's key from its own value and a "
+                f"shared context, which does not combine with {'; '.join(problems)}. Set key_context_dim=0 for "
+                "the other variants."
+            )
+
+    def _check_linear_kernel(self) -> None:
+        """`attention_kernel="linear"` is the paper's Q=K=V recurrence: causal, no RoPE/ALiBi/"+", decay in (0, 1]."""
+        if self.attention_kernel != "linear":
+            return
+        if any(
+            not self.layer_mode(i).query_is_key or not self.layer_mode(i).kv_tied for i in range(self.num_hidden_layers)
+        ):
+            raise ValueError(
+                "attention_kernel='linear' is the Q=K=V recurrence of the paper's appendix: it needs "
+                "projection_sharing='qkv' in every layer."
+            )
+        if self.attention_map_pe_dim or self.position_embedding_type in ("rope", "alibi") or not self.is_causal:
+            raise ValueError(
+                "attention_kernel='linear' needs attention_map_pe_dim=0, position_embedding_type "
+                "'learned' or 'none', and is_causal=True."
+            )
+        if not 0.0 < self.linear_attention_decay <= 1.0:
+            raise ValueError(f"linear_attention_decay={self.linear_attention_decay} must be in (0, 1].")
 
     def check_window_fields(self) -> None:
         """Checks of `sliding_window` and `layer_types` (part of `check_sharing_fields`)."""
@@ -762,6 +796,13 @@ class QKVShareConfig(PreTrainedConfig):
             f"base_model_tp_plan={plan!r} cannot be set: the plan is derived from the config's layers. To change "
             "rules, pass from_pretrained(..., distributed_config=DistributedConfig(tp_plan={...})) or set model.tp_plan."
         )
+
+    @property
+    def adds_score_bias(self) -> bool:
+        """Whether attention adds a float bias to its scores, folded into the attention mask: the "+" map's P.w + b,
+        or ALiBi's -slope * distance. Such a mask must be materialized (no is_causal shortcut), needs a backend that
+        takes a float mask (eager, sdpa), and scores each cached key by its position."""
+        return self.attention_map_pe_dim > 0 or self.position_embedding_type == "alibi"
 
     @property
     def needs_key_positions(self) -> bool:
@@ -860,13 +901,13 @@ class QKVShareConfig(PreTrainedConfig):
                 f"{', '.join(map(repr, LLAMA_ARCHITECTURES))} (same attention, RMSNorm, SwiGLU and RoPE)."
             )
         cls.check_field_names(overrides, "QKVShareConfig.from_llama")
-        if not hasattr(config_or_dict, "to_dict"):  # a config.json: fields it leaves out take transformers' defaults
-            d = CONFIG_MAPPING[model_type](**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
-        heads = d["num_attention_heads"]
         rope = d.get("rope_parameters")
         if not rope:  # config.json of transformers < 5: rope_theta and rope_scaling
             rope = dict(d.get("rope_scaling") or {}, rope_theta=d.get("rope_theta", 10000.0))
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        if not hasattr(config_or_dict, "to_dict"):  # a config.json: fields it leaves out take transformers' defaults
+            d = CONFIG_MAPPING[model_type](**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
+        heads = d["num_attention_heads"]
         fields = dict(
             ARCHITECTURE_STYLES["llama"],
             vocab_size=d["vocab_size"],

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
@@ -59,28 +60,31 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     eager_attention_forward,
-    rotate_half,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_qkvshare import CacheLayout, QKVShareCache, QKVShareQuantizedCache, QKVShareStaticCache
+from .cache_qkvshare import (
+    CacheLayout,
+    ForeignCache,
+    QKVShareCache,
+    QKVShareCacheMixin,
+    QKVShareQuantizedCache,
+    QKVShareStaticCache,
+    Rotation,
+    attended_states,
+    cache_for_model,
+    rotate,
+)
 from .configuration_qkvshare import QKVShareConfig
 from .linear_attention_qkvshare import QKVShareLinearAttention
+from .validation_qkvshare import check_inputs, check_learned_positions
 
-# Backends that accept an arbitrary additive float mask (needed by the "+" encoding).
-_BIAS_CAPABLE_BACKENDS = ("eager", "sdpa")
 # The mask builder of each attention type (config `layer_types`).
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on one tensor (B, H, T, D) with cos/sin (B, T, D); the same formula as Llama's apply_rotary_pos_emb."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos) + (rotate_half(x) * sin)
 
 
 def sinusoid(positions: torch.Tensor, channels: int) -> torch.Tensor:
@@ -217,7 +221,6 @@ class QKVShareAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.sharing = config.layer_sharing(layer_idx)
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
@@ -228,13 +231,9 @@ class QKVShareAttention(nn.Module):
         self.sliding_window = (
             config.sliding_window if config.layer_attention_type(layer_idx) != "full_attention" else None
         )
-        # What this layer is, decided once.
-        self.query_is_key = self.sharing in ("qk", "qkv")  # Q=K: symmetric scores
-        self.kv_tied = self.sharing in ("kv", "qkv")  # K=V: one cached tensor
-        self.pre_rope_tie = (
-            self.kv_tied and config.position_embedding_type == "rope" and config.kv_tie_point == "pre_rope"
-        )
-
+        # What this layer is, decided once: its projections (a shared one is not created) and, for QV-Ka, its keys.
+        mode = config.layer_mode(layer_idx)
+        self.query_is_key, self.kv_tied = mode.query_is_key, mode.kv_tied
         hidden, bias = config.hidden_size, config.attention_bias
         if not self.query_is_key:
             self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
@@ -248,57 +247,21 @@ class QKVShareAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
         # The "+" variants: the paper's 1x1 conv over m channels of the attention map, shared across heads.
         self.attention_map_pe = AttentionMapPE(config.attention_map_pe_dim) if config.attention_map_pe_dim else None
-        # The mask carries a float bias ("+" map, ALiBi): see the copy before the output reshape in `forward`.
-        self.mask_carries_bias = bool(config.attention_map_pe_dim) or config.position_embedding_type == "alibi"
 
     def _heads(self, projection: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, hidden) -> (B, heads, T, D)."""
         return projection(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
-    def project(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Query, key and value of the new tokens, before any cache. Tied tensors are the same object."""
-        key = self._heads(self.k_proj, hidden_states)  # (B, H_kv, T, D)
-        query = key if self.query_is_key else self._heads(self.q_proj, hidden_states)  # (B, H, T, D)
-        value = key if self.kv_tied else self._heads(self.v_proj, hidden_states)  # (B, H_kv, T, D)
-        if position_embeddings is not None:  # RoPE on query and key; V follows the key only for post-RoPE ties
-            cos, sin = position_embeddings
-            rotated_key = rotate(key, cos, sin)
-            query = rotated_key if self.query_is_key else rotate(query, cos, sin)
-            value = rotated_key if self.kv_tied and not self.pre_rope_tie else value
-            key = rotated_key
-        return query, key, value
-
-    def project_from_context(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        cache: Cache | None,
-        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """QV-Ka: query, key and value of every key this forward attends to, through the cache.
-
-        Q_i and V_i as in QKV, G = X W_ctx, K_i = [G ; V_i] W_i^K (RoPE on Q and K only). A `QKVShareCache` stores
-        G and V, and the keys of all cached tokens are recomputed from them (rotated at the cached positions);
-        another cache gets K and V.
-        """
-        query = self._heads(self.q_proj, hidden_states)  # (B, H, T, D)
-        value = self._heads(self.v_proj, hidden_states)  # (B, H, T, D)
-        context = self.ctx_proj(hidden_states).unsqueeze(1)  # (B, 1, T, d_ctx)
-        if position_embeddings is not None:
-            query = rotate(query, *position_embeddings)
-        if isinstance(cache, QKVShareCache):  # G and V stored: the keys of every cached token are recomputed
-            context, value = cache.update(context, value, self.layer_idx)  # (B, 1, T_all, d_ctx), (B, H, T_all, D)
-            key = self.k_mix(context, value)  # (B, H, T_all, D)
-            if position_embeddings is not None:
-                key = rotate(key, *key_position_embeddings)
-            return query, key, value
-        key = self.k_mix(context, value)  # (B, H, T, D)
-        if position_embeddings is not None:
-            key = rotate(key, *position_embeddings)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query (B, H, T, D), key and value (B, H_kv, T, D) of the new tokens, before RoPE; shared ones are the same
+        tensor. QV-Ka layers return the shared context G (B, 1, T, d_ctx) as the key (their keys are `k_mix` of G and
+        the values, made by the cache that stores G and V)."""
+        if self.config.key_context_dim:
+            context = self.ctx_proj(hidden_states).unsqueeze(1)  # (B, 1, T, d_ctx)
+            return self._heads(self.q_proj, hidden_states), context, self._heads(self.v_proj, hidden_states)
+        key = self._heads(self.k_proj, hidden_states)
+        query = key if self.query_is_key else self._heads(self.q_proj, hidden_states)
+        value = key if self.kv_tied else self._heads(self.v_proj, hidden_states)
         return query, key, value
 
     def map_bias(self, map_encoding: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -328,27 +291,27 @@ class QKVShareAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
+        cache: QKVShareCacheMixin | ForeignCache | None = None,
         key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         map_encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        if self.config.key_context_dim:  # QV-Ka: keys recomputed from the cached context and values
-            query, key, value = self.project_from_context(
-                hidden_states, position_embeddings, cache, key_position_embeddings
-            )
-        else:
-            query, key, value = self.project(hidden_states, position_embeddings)
+        """hidden_states (B, T, hidden) -> (output (B, T, hidden), attention weights or None).
 
-        if cache is not None and not self.config.key_context_dim:
-            if self.kv_tied and isinstance(cache, QKVShareCache):
-                # One tensor: the unrotated key (= value) for pre-RoPE ties, else the (rotated) key.
-                stored, _ = cache.update(value if self.pre_rope_tie else key, None, self.layer_idx)
-                key = rotate(stored, *key_position_embeddings) if self.pre_rope_tie else stored
-                value = stored
-            else:  # untied layer, or a foreign cache (e.g. DynamicCache): store key and value
-                key, value = cache.update(key, value, self.layer_idx)
+        `position_embeddings`: RoPE cos/sin of the new tokens (Llama's argument); `key_position_embeddings`: of every
+        key attended, for caches that rotate cached keys on read; `map_encoding`: the "+" map's row/column encodings.
+        `cache` is what `QKVShareModel` hands its layers (`cache_for_model`, or a QKVShare cache): it stores the new
+        states as this layer's kind keeps them and returns every key and value to attend to.
+        """
+        input_shape = hidden_states.shape[:-1]
+        rotation = Rotation(position_embeddings, key_position_embeddings) if position_embeddings is not None else None
+        query, key, value = self.project(hidden_states)
+        query = rotate(query, position_embeddings)
+        make_key = self.k_mix if self.config.key_context_dim else None
+        if cache is not None:
+            key, value = cache.attend(self.layer_idx, key, value, rotation, make_key)  # (B, H_kv, T_keys, D)
+        else:
+            key, value = attended_states(key, value, position_embeddings, self.config.kv_tie_point, make_key)
 
         if self.attention_map_pe is not None:  # S' = S * sum(w) + P.w + b
             query = query * self.attention_map_pe.weight.sum().to(query.dtype)
@@ -370,8 +333,8 @@ class QKVShareAttention(nn.Module):
                 scaling=self.scaling,
                 sliding_window=self.sliding_window,
                 **kwargs,
-            )
-        if self.mask_carries_bias:
+            )  # (B, T, H, D)
+        if self.config.adds_score_bias:
             # sdpa with a float mask (the "+" or ALiBi bias) traced with a dynamic length records the fused CPU
             # kernel's output layout, in which (B, T, H, D) is already contiguous, so the reshape below is traced as a
             # view; exporters that decompose sdpa into math ops (torch.onnx) then get a (B, H, T, D) output and that
@@ -401,11 +364,11 @@ class QKVShareDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
+        cache: QKVShareCacheMixin | ForeignCache | None = None,
         use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        """One block; `kwargs` carry the attention's per-forward inputs (`position_embeddings`, ...)."""
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
@@ -413,7 +376,6 @@ class QKVShareDecoderLayer(GradientCheckpointingLayer):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
-            position_embeddings=position_embeddings,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -481,131 +443,14 @@ class QKVShareModel(QKVSharePreTrainedModel):
         )
         self.norm = make_norm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.position_embedding_type == "rope" else None
-        # Decided once: what a QKVShareCache passed to forward must hold, and whether some layer needs cos/sin at
-        # every cached position: pre-RoPE tied layers rotate their cached keys on read, and QV-Ka layers rotate the
-        # keys they recompute from the cache.
+        # Decided once: what a QKVShare cache passed to forward must hold, and whether a QKVShare cache rotates cached
+        # keys on read (pre-RoPE tied layers store the unrotated tensor; QV-Ka layers recompute their keys), which
+        # needs cos/sin at every cached position.
         self.cache_layout = CacheLayout.for_config(config)
-        pre_rope_ties = any(getattr(layer.self_attn, "pre_rope_tie", False) for layer in self.layers)
-        self.rotates_cached_keys = pre_rope_ties or bool(config.key_context_dim)
+        rope = config.position_embedding_type == "rope"
+        self.rotates_cached_keys = rope and (self.cache_layout.kv_tie_point == "pre_rope" or config.key_context_dim > 0)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def _check_cache(self, cache: Cache | None) -> None:
-        """Refuse a cache this model cannot use exactly (cheap Python checks, no tensor reads)."""
-        if cache is None:
-            return
-        if isinstance(cache, QKVShareCache):
-            cache.check_layout(self.cache_layout)
-            return
-        name = type(cache).__name__
-        fix = (
-            "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "
-            "generate(cache_implementation='static') a QKVShareStaticCache) or cache=QKVShareCache(config=model.config)"
-        )
-        if not isinstance(cache, Cache):
-            raise ValueError(f"cache must be a transformers Cache, got a {name}; {fix}.")
-        if self.config.attention_kernel == "linear":
-            raise ValueError(
-                f"cache: attention_kernel='linear' keeps a constant-size state that only QKVShareCache holds, got a "
-                f"{name}; {fix}."
-            )
-        # The "+" map and ALiBi score every cached key by its position: (the setting, why) for the message.
-        scored_by_position = None
-        if self.config.attention_map_pe_dim:
-            scored_by_position = (f"attention_map_pe_dim={self.config.attention_map_pe_dim} (a '+' variant)", "")
-        elif self.config.position_embedding_type == "alibi":
-            scored_by_position = ("position_embedding_type='alibi'", " (its bias is -slope * distance)")
-        if scored_by_position:
-            setting, why = scored_by_position
-            raise ValueError(
-                f"cache: {setting} needs the position of every cached key{why}, which only QKVShare caches record; a "
-                f"{name} does not (assuming positions 0..past-1 would be wrong for left-padded batches). To fix it, "
-                f"{fix}."
-            )
-        expected, held = self.config.num_hidden_layers, len(cache.layers)
-        grows = getattr(cache, "layer_class_to_replicate", None) is not None  # DynamicCache(): layers come on use
-        if held != expected and not (grows and held == 0):
-            raise ValueError(
-                f"cache: the {name} has {held} layers but this model has {expected}: it was built or filled for "
-                f"another model. Build it with {name}(config=model.config), or {fix}."
-            )
-
-    def _check_inputs(
-        self,
-        input_ids: torch.LongTensor | None,
-        inputs_embeds: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-    ) -> None:
-        """Refuse malformed inputs with a ValueError naming them, before any work."""
-        implementation = self.config._attn_implementation
-        if self.config.attention_map_pe_dim and implementation not in _BIAS_CAPABLE_BACKENDS:
-            raise ValueError(
-                f"attention_map_pe_dim={self.config.attention_map_pe_dim} (the '+' variants) adds a score bias, which "
-                f"the {implementation!r} attention backend cannot take; load the model with "
-                f"attn_implementation='sdpa' or 'eager'."
-            )
-        if self.config.position_embedding_type == "alibi" and implementation not in _BIAS_CAPABLE_BACKENDS:
-            raise ValueError(
-                f"position_embedding_type='alibi' adds a per-head score bias, which the {implementation!r} attention "
-                "backend cannot take; load the model with attn_implementation='sdpa' or 'eager'."
-            )
-        if input_ids is not None:
-            name, shape, expected = "input_ids", tuple(input_ids.shape), "(batch, sequence)"
-            well_formed = len(shape) == 2
-        else:
-            name, shape = "inputs_embeds", tuple(inputs_embeds.shape)
-            expected = f"(batch, sequence, {self.config.hidden_size})"
-            well_formed = len(shape) == 3 and shape[-1] == self.config.hidden_size
-        if not well_formed:
-            raise ValueError(f"{name} must have shape {expected}, got {shape}.")
-        if 0 in shape[:2]:
-            raise ValueError(
-                f"{name} has shape {shape}: no tokens to run; pass at least one sequence of at least one token."
-            )
-        if isinstance(cache, QKVShareCache):  # a cache filled for another batch would fail deep inside torch
-            cache.check_batch_size(shape[0])
-        if isinstance(attention_mask, dict):  # masks per attention type, as `build_masks` (or generate()) makes them
-            expected_types = set(self.cache_layout.present_attention_types)
-            if set(attention_mask) != expected_types:
-                raise ValueError(
-                    f"attention_mask is a dict with keys {sorted(attention_mask)}, but this model's layers need masks "
-                    f"for {sorted(expected_types)}; pass a 2D padding mask, or the dict that "
-                    "model.model.build_masks(...) returns."
-                )
-        elif attention_mask is not None:
-            self._check_attention_mask(attention_mask, name, shape, cache)
-
-    @staticmethod
-    def _check_attention_mask(
-        attention_mask: torch.Tensor, name: str, shape: tuple[int, ...], cache: Cache | None
-    ) -> None:
-        """The mask must cover the batch and the keys: 2D (batch, cached + new), 4D (batch, heads, new, keys)."""
-        batch, length = shape[:2]
-        past = cache.get_seq_length() if cache is not None else 0
-        if isinstance(past, torch.Tensor):  # static caches keep their length on the device: don't sync to read it
-            past = None
-        held = f" and the cache holds {past} tokens" if past else ""
-        mask_shape = tuple(attention_mask.shape)
-        if len(mask_shape) == 2:  # padding mask over cached + new tokens (transformers' convention)
-            if mask_shape[0] != batch or (past is not None and mask_shape[1] != past + length):
-                keys = f"cached + {length}" if past is None else past + length
-                raise ValueError(
-                    f"attention_mask has shape {mask_shape} but {name} has shape {shape}{held}: a 2D mask must be "
-                    f"(batch, cached + new tokens) = ({batch}, {keys})."
-                )
-        elif len(mask_shape) == 4:  # a prepared or custom mask, used as is
-            key_length = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
-            if mask_shape[0] not in (1, batch) or mask_shape[2] != length or mask_shape[3] != key_length:
-                raise ValueError(
-                    f"attention_mask has shape {mask_shape} but {name} has shape {shape}{held}: a 4D mask must be "
-                    f"(batch, heads, new tokens, keys) = ({batch} or 1, heads or 1, {length}, {key_length})."
-                )
-        else:
-            raise ValueError(
-                f"attention_mask must be 2D (batch, cached + new tokens) or 4D (batch, heads, new tokens, keys); got "
-                f"shape {mask_shape} for {name} of shape {shape}."
-            )
 
     def build_masks(
         self,
@@ -618,16 +463,14 @@ class QKVShareModel(QKVSharePreTrainedModel):
         padding mask (or a 4D one, used as is), sized by `cache` as it is before this forward's update."""
         masks = {}
         for attention_type in self.cache_layout.present_attention_types:
-            # The "+" and ALiBi biases are folded into the mask, so it must be materialized (no is_causal shortcut).
+            # A score bias ("+", ALiBi) is folded into the mask, so it must be materialized (no is_causal shortcut).
             mask = MASK_BUILDERS[attention_type](
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 cache=cache,
                 position_ids=position_ids,
-                allow_is_causal_skip=not (
-                    self.config.attention_map_pe_dim or self.config.position_embedding_type == "alibi"
-                ),
+                allow_is_causal_skip=not self.config.adds_score_bias,
             )
             eager = self.config._attn_implementation == "eager"
             if eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
@@ -637,69 +480,47 @@ class QKVShareModel(QKVSharePreTrainedModel):
             masks[attention_type] = mask
         return masks
 
-    def _check_learned_positions(self, position_ids: torch.LongTensor, cache: Cache | None) -> None:
-        """Refuse positions beyond the learned position table (the embedding lookup would fail or read garbage).
-
-        Eager: the largest position is read back. Under torch.compile / torch.export that read would be a host sync
-        (a graph break, or an export error), so only what the host knows is checked: a static cache's slots bound
-        the positions of the tokens written into it, so `max_cache_len` must fit the table.
-        """
-        limit = self.config.max_position_embeddings
-        if is_torchdynamo_compiling():
-            length = getattr(cache, "max_cache_len", None)
-            if isinstance(length, int) and length > limit:
-                raise ValueError(
-                    f"cache: max_cache_len={length} is beyond max_position_embeddings={limit} of this model's learned "
-                    f"position table; build the static cache with max_cache_len <= {limit}."
-                )
-            return
-        if position_ids.numel() and int(position_ids.max()) >= limit:
-            raise ValueError(
-                f"position {int(position_ids.max())} is beyond max_position_embeddings={limit} of this model's "
-                "learned position table; use shorter inputs."
-            )
-
-    def _positions(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, cache: Cache | None
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Everything about positions, once per forward: the learned absolute embeddings (added to `inputs_embeds`),
-        and for the attention layers of each attention type `position_embeddings` (RoPE cos/sin of the new tokens),
-        `key_position_embeddings` (RoPE of every cached + new key, for pre-RoPE tied layers, which rotate their
-        cached keys on read) and `map_encoding` (row/column encodings of the "+" attention map).
-        """
-        hidden_states = inputs_embeds
-        if self.config.position_embedding_type == "learned":
-            self._check_learned_positions(position_ids, cache)
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-
-        # Positions of every key this forward attends to, per attention type: the cached ones (a QKVShareCache records
-        # them when the model needs them, windowed for sliding layers) and the new ones. Foreign caches never need
-        # them: `_check_cache` refuses them for "+", and with them pre-RoPE tied layers store the rotated key and the
-        # value separately.
-        batch_size = inputs_embeds.shape[0]
-        query_position_ids = position_ids.expand(batch_size, -1)
-        if isinstance(cache, QKVShareCache):
-            key_position_ids = cache.update_positions(query_position_ids)
-        else:
-            key_position_ids = dict.fromkeys(self.cache_layout.present_attention_types, query_position_ids)
-
-        rope = self.rotary_emb(hidden_states, position_ids=position_ids) if self.rotary_emb is not None else None
-        slopes = None
-        if self.config.position_embedding_type == "alibi":  # folded into the masks by `forward`, once for all layers
-            slopes = torch.tensor(alibi_slopes(self.config.num_attention_heads), device=inputs_embeds.device)
-        layer_inputs = {}
-        for attention_type, keys in key_position_ids.items():
-            inputs = {"position_embeddings": rope, "key_position_embeddings": None, "map_encoding": None}
-            if rope is not None and self.rotates_cached_keys and isinstance(cache, QKVShareCache):
-                inputs["key_position_embeddings"] = self.rotary_emb(hidden_states, position_ids=keys)
+    def layer_inputs(
+        self, hidden_states: torch.Tensor, query_positions: torch.Tensor, key_positions: dict[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        """What the attention layers of each attention type take besides the mask, once per forward:
+        `position_embeddings` (RoPE of the new tokens), `key_position_embeddings` (of every key, when a cache rotates
+        cached keys on read) and `map_encoding` (the "+" map's row/column encodings). `query_positions` (B, T) are the new tokens', `key_positions` those of
+        every key each type attends to."""
+        rope = self.rotary_emb(hidden_states, position_ids=query_positions) if self.rotary_emb is not None else None
+        inputs = {}
+        for attention_type, keys in key_positions.items():
+            keys_rope = None
+            if rope is not None and self.rotates_cached_keys:  # of every key (the new ones when none are recorded)
+                keys_rope = rope if keys is query_positions else self.rotary_emb(hidden_states, position_ids=keys)
+            map_encoding = None
             if self.config.attention_map_pe_dim:
-                inputs["map_encoding"] = attention_map_encoding(
-                    query_position_ids, keys, self.config.attention_map_pe_dim, self.config.attention_map_pe_layout
+                map_encoding = attention_map_encoding(
+                    query_positions, keys, self.config.attention_map_pe_dim, self.config.attention_map_pe_layout
                 )
-            if slopes is not None:
-                inputs["alibi_bias"] = alibi_bias(query_position_ids, keys, slopes, self.config.is_causal)
-            layer_inputs[attention_type] = inputs
-        return hidden_states, layer_inputs
+            inputs[attention_type] = {
+                "position_embeddings": rope,
+                "key_position_embeddings": keys_rope,
+                "map_encoding": map_encoding,
+            }
+        return inputs
+
+    def add_alibi(
+        self,
+        masks: dict[str, torch.Tensor | None],
+        query_positions: torch.Tensor,
+        key_positions: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor]:
+        """Fold ALiBi's per-head bias (B, H, q, kv) into the mask of each attention type, once for all layers."""
+        slopes = torch.tensor(alibi_slopes(self.config.num_attention_heads), device=query_positions.device)
+        return {
+            attention_type: add_bias_to_mask(
+                mask,
+                alibi_bias(query_positions, key_positions[attention_type], slopes, self.config.is_causal).to(dtype),
+            )
+            for attention_type, mask in masks.items()
+        }
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
@@ -716,28 +537,18 @@ class QKVShareModel(QKVSharePreTrainedModel):
     ) -> BaseModelOutputWithPast:
         r"""Run the stack on new tokens, reading and extending `cache` when given.
 
-        Raises a ValueError before any work for: a `cache` built for another model (a `QKVShareCache` whose layout
+        Raises a ValueError before any work for: a `cache` built for another model (a QKVShare cache whose layout
         differs, or a transformers cache with another number of layers), a non-QKVShare cache with the "+"
-        variants or the linear kernel, empty or malformed `input_ids`/`inputs_embeds`, and an `attention_mask`
+        variants, ALiBi or the linear kernel, empty or malformed `input_ids`/`inputs_embeds`, and an `attention_mask`
         whose shape does not fit (2D: (batch, cached + new tokens); 4D: (batch or 1, heads or 1, new tokens, keys)).
         """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        self._check_cache(cache)
-        self._check_inputs(input_ids, inputs_embeds, attention_mask, cache)
-
+        types = self.cache_layout.present_attention_types
+        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache, self.embed_tokens is not None, types)
+        store = cache_for_model(cache, self.config, self.cache_layout)  # what the layers write through
         if inputs_embeds is None:
-            if self.embed_tokens is None:
-                raise ValueError(
-                    "input_ids: this stack was built without token embeddings (add_token_embeddings=False, e.g. "
-                    "inside QKVShareForImageClassification); pass inputs_embeds of shape (batch, sequence, "
-                    f"{self.config.hidden_size}) instead."
-                )
             inputs_embeds = self.embed_tokens(input_ids)
-
         if use_cache and cache is None:
-            cache = QKVShareCache(config=self.config)
-
+            cache = store = QKVShareCache(config=self.config)
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -747,22 +558,28 @@ class QKVShareModel(QKVSharePreTrainedModel):
         masks = attention_mask if isinstance(attention_mask, dict) else None
         if masks is None:
             masks = self.build_masks(inputs_embeds, attention_mask, cache, position_ids)
-
-        hidden_states, position_inputs = self._positions(inputs_embeds, position_ids, cache)
+        hidden_states = inputs_embeds
+        if self.config.position_embedding_type == "learned":
+            check_learned_positions(self.config, position_ids, cache)
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        # Positions of every key each attention type attends to: those the cache records (windowed for sliding
+        # layers) and the new ones.
+        query_positions = position_ids.expand(inputs_embeds.shape[0], -1)
+        key_positions = (
+            store.update_positions(query_positions) if store is not None else dict.fromkeys(types, query_positions)
+        )
         if self.config.position_embedding_type == "alibi":
-            masks = dict(masks)
-            for attention_type, inputs in position_inputs.items():
-                bias = inputs.pop("alibi_bias").to(inputs_embeds.dtype)
-                masks[attention_type] = add_bias_to_mask(masks[attention_type], bias)
+            masks = self.add_alibi(masks, query_positions, key_positions, inputs_embeds.dtype)
+        layer_inputs = self.layer_inputs(hidden_states, query_positions, key_positions)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=masks[decoder_layer.attention_type],
                 position_ids=position_ids,
-                cache=cache,
+                cache=store,
                 use_cache=use_cache,
-                **position_inputs[decoder_layer.attention_type],
+                **layer_inputs[decoder_layer.attention_type],
                 **kwargs,
             )
 
@@ -793,9 +610,12 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
         # transformers would build its own caches (K and V stored separately); ours store one tensor per tied layer.
-        # An explicit cache, use_cache=False or a kind we have no tied form of ("paged") keep transformers' choice,
-        # which the model's forward then checks.
-        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+        # The static kinds take transformers' own route (its length rules: a later, shorter generation reuses the
+        # length, so a compiled forward does not recompile) to `_prepare_static_cache` below. An explicit cache,
+        # use_cache=False or a kind we have no tied form of ("paged") keep transformers' choice, which the model's
+        # forward then checks.
+        static = generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
+        if not static and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             cache = self.tied_cache_for_generation(generation_config, max_cache_length)
             if cache is not None:
                 if generation_config.is_assistant:
@@ -805,6 +625,26 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+    def _prepare_static_cache(
+        self,
+        cache_implementation: str,
+        batch_size: int,
+        max_cache_len: int,
+        prefill_chunk_size: int | None,
+        model_kwargs,
+    ) -> QKVShareStaticCache:
+        """transformers' `_prepare_static_cache` with a `QKVShareStaticCache`: as long as the longest one this model
+        made before (a shorter generation reuses the length, so a compiled forward sees the same shapes)."""
+        length = max(max_cache_len, getattr(self, "_previous_max_cache_length", -1))
+        cache = QKVShareStaticCache(
+            config=self.config, max_cache_len=length, offloading="offloaded" in cache_implementation
+        )
+        init_shape = self._get_static_cache_init_shape() if prefill_chunk_size is not None else None
+        if init_shape is not None and not self.config.key_context_dim:  # chunked prefill: allocate now, as transformers
+            cache.early_initialization(batch_size, *init_shape, dtype=self.dtype, device=self.device)
+        self._previous_max_cache_length = length
+        return cache
 
     def create_masks_for_generate(
         self,
@@ -887,11 +727,24 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         )
 
 
-class QKVShareForSequenceClassification(GenericForSequenceClassification, QKVSharePreTrainedModel):
+class _BaseModelFromConfig:
+    """transformers' generic heads build their base model with `AutoModel.from_config(config)`, which passes no
+    trust_remote_code. Where this file runs as a checkpoint's own code (the package not installed), the config's class
+    is one transformers made from that code, unknown to AutoModel, so a head loaded first in a process would be
+    refused as untrusted remote code. Registering the config class in use makes the lookup local."""
+
+    def __init__(self, config: QKVShareConfig):
+        AutoModel.register(type(config), QKVShareModel, exist_ok=True)
+        super().__init__(config)
+
+
+class QKVShareForSequenceClassification(
+    _BaseModelFromConfig, GenericForSequenceClassification, QKVSharePreTrainedModel
+):
     """Sequence classification head (last non-pad token, or every token pooled by transformers' rules)."""
 
 
-class QKVShareForTokenClassification(GenericForTokenClassification, QKVSharePreTrainedModel):
+class QKVShareForTokenClassification(_BaseModelFromConfig, GenericForTokenClassification, QKVSharePreTrainedModel):
     """Per-token classification head; with `is_causal=False` a bidirectional encoder (the synthetic tasks)."""
 
 

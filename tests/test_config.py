@@ -98,6 +98,7 @@ BAD_VALUES = [
     (dict(norm_eps=0.0), "norm_eps=0.0 must be > 0: it keeps the norm's division finite"),
     (dict(norm_eps=-1e-5), "norm_eps=-1e-05 must be > 0"),
     (dict(norm_eps=math.nan), "norm_eps=nan must be > 0"),
+    (dict(initializer_range=-1.0), "initializer_range=-1.0 must be >= 0: the standard deviation of the initial"),
 ]
 
 
@@ -333,6 +334,30 @@ def test_auto_map_lists_every_head_and_each_loads_and_generates_without_the_pack
         assert result["module"].startswith("transformers_modules."), auto_name
         # The checkpoint's weights, not a fresh init: every head's base model gives the saved model's states.
         torch.testing.assert_close(torch.tensor(result["hidden"]), expected, rtol=1e-5, atol=1e-5)
+
+
+FIRST_HEAD_SCRIPT = """
+import sys
+sys.modules["qkvshare"] = None  # the package is not installed here
+import transformers
+model = getattr(transformers, sys.argv[2]).from_pretrained(sys.argv[1], trust_remote_code=True, num_labels=3)
+print(type(model).__name__, model.score.out_features)
+"""
+
+
+@pytest.mark.parametrize("auto_name", ["AutoModelForSequenceClassification", "AutoModelForTokenClassification"])
+def test_classification_head_is_the_first_load_of_a_fresh_process(tmp_path, auto_name):
+    """transformers' generic heads build their base model with `AutoModel.from_config(config)`, without
+    trust_remote_code: as the first load of a process without the package, that must still find the model."""
+    QKVShareForCausalLM(tiny("Q-K=V")).save_pretrained(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_HEAD_SCRIPT, str(tmp_path), auto_name],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path.parent,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == [AUTO_MODEL_CLASSES[auto_name], "3"]
 
 
 def test_auto_map_from_any_head_and_only_with_the_model_code(tmp_path):

@@ -275,7 +275,12 @@ def test_from_llama_maps_shapes_variants_and_windows(caplog):
 
 BAD_CONVERSIONS = {
     "architecture": ({"model_type": "gpt2"}, None, {}, r"model_type='gpt2'.*supported architectures: llama, mistral"),
-    "Q=K on GQA": (None, "Q=K-V", {}, r"cannot take variant='Q=K-V'.*needs num_key_value_heads == num_attention"),
+    "Q=K on GQA": (
+        None,
+        "Q=K-V",
+        {},
+        r"variant='Q=K-V' needs 4 key/value heads.*needs num_key_value_heads == num_attention",
+    ),
     "more kv heads": (None, "GQA-4", {}, r"needs 4 key/value heads but the source has 2"),
     "plus map": (None, "(Q-K=V)+", {}, r"'\+' attention-map encoding"),
     "method without K=V": (None, "MQA", {"method": "value"}, r"variant='MQA' \(MQA\) has no K=V layer"),

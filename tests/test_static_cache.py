@@ -5,7 +5,7 @@ fp32, CPU."""
 import pytest
 import torch
 from test_core import COMBOS, VOCAB, model_for, tiny
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from qkvshare import QKVShareCache, QKVShareConfig, QKVShareForCausalLM, QKVShareStaticCache, TiedStaticLayer
@@ -34,12 +34,12 @@ def test_static_decoding_equals_full_forward(name):
     torch.testing.assert_close(_decode(model, ids, cache, [1] * 12), full, rtol=0, atol=2e-6)
     cache = QKVShareStaticCache(config, max_cache_len=MAX_LEN)
     torch.testing.assert_close(_decode(model, ids, cache, [5, 7]), full, rtol=0, atol=2e-6)  # prefill, then more
-    # A tied layer holds one (B, H_kv, max_len, D) buffer, returned as key and value; the others two.
+    # A tied layer holds one (B, H_kv, max_len, D) buffer, returned (and exposed as `values`) as key and value.
     for layer_idx, layer in enumerate(cache.layers):
         tied = config.is_kv_tied(layer_idx)
         assert type(layer) is (TiedStaticLayer if tied else StaticLayer)
         assert layer.keys.shape == (2, config.num_key_value_heads, MAX_LEN, config.head_dim)
-        assert (layer.values is None) == tied
+        assert (layer.values is layer.keys) == tied and layer.values is not None
     assert cache.get_seq_length() == 12
     if config.needs_key_positions:  # written where the tokens are, zeros in the unwritten slots
         assert torch.equal(
@@ -151,3 +151,34 @@ def test_cache_filled_for_another_batch_size_is_refused(static):
         model(torch.tensor([[7]]), cache=cache, use_cache=True)
     model(torch.tensor([[7], [8]]), cache=cache, use_cache=True)  # the cached batch size still works
     assert cache.get_seq_length() == 4
+
+
+def test_generated_caches_are_the_transformers_kinds_they_stand_for():
+    """transformers (and its generation tests) tell cache kinds apart with isinstance: a static generation's cache is
+    a StaticCache (so `output_attentions` shapes follow the buffer length) and the default one a DynamicCache."""
+    model = model_for(tiny("Q-K=V"))
+    ids = torch.randint(3, VOCAB, (2, 5))
+    static = model.generate(
+        ids, max_new_tokens=3, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    dynamic = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(static.cache, StaticCache) and isinstance(static.cache, QKVShareStaticCache)
+    assert not isinstance(static.cache, DynamicCache)
+    assert isinstance(dynamic.cache, DynamicCache) and isinstance(dynamic.cache, QKVShareCache)
+    assert torch.equal(static.sequences, dynamic.sequences)
+
+
+def test_a_shorter_static_generation_keeps_the_cache_length():
+    """A second, shorter generation gets a cache as long as the first one's: a compiled forward then sees the same
+    shapes and does not recompile (transformers' own rule for its StaticCache)."""
+    model = model_for(tiny("Q-K=V"))
+    ids = torch.randint(3, VOCAB, (1, 5))
+    first = model.generate(
+        ids, max_new_tokens=6, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    second = model.generate(
+        ids, max_new_tokens=2, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    assert first.cache.max_cache_len == second.cache.max_cache_len == 10  # 5 + 6 tokens, the last one not cached
+    assert second.cache.layers[0].keys.shape[2] == 10
+    assert torch.equal(second.sequences, first.sequences[:, :7])

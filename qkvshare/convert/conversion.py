@@ -121,15 +121,13 @@ def plan_conversion(
     tied = any(config.is_kv_tied(i) for i in layers)
     query_tied = any(config.is_query_key_tied(i) for i in layers)
     if config.num_key_value_heads > source_kv:
-        why = (
-            f"ties the query to the key, so it needs num_key_value_heads == num_attention_heads ({heads})"
-            if query_tied
-            else f"needs {config.num_key_value_heads} key/value heads"
-        )
+        why = ""
+        if query_tied:
+            why = " (Q=K makes every query head a key head: it needs num_key_value_heads == num_attention_heads)"
         raise ValueError(
-            f"the source ({shape}) cannot take variant={variant!r}: it {why} but the source has {source_kv}; a "
-            "conversion can pool heads, not invent them. Choose at most "
-            f"{source_kv} (e.g. Q-K=V, which keeps the source's heads, Q-MQA or MQA)."
+            f"variant={variant!r} needs {config.num_key_value_heads} key/value heads but the source has {source_kv} "
+            f"({shape}){why}; a conversion can pool heads, not invent them. Choose at most {source_kv} (e.g. "
+            "Q-K=V, which keeps the source's heads, Q-MQA or MQA)."
         )
     if method is not None and not tied:
         raise ValueError(
