@@ -53,14 +53,23 @@ def test_fill_and_bytes_equal_theory(tiny_rows, name, kind, per_layer):
     assert len(cell.ms_per_token) == 1 and cell.ms_per_token[0] > 0
 
 
-def test_fill_writes_through_update(tiny_rows):
+def test_fill_writes_as_the_layers_do(tiny_rows):
     row = next(r for r in tiny_rows if r.name == "Q-K=V")
     cache = bench_decode.build_cache(row.model, "dynamic", 1, 10)
     bench_decode.fill_cache(row, cache, 1, 10, CPU, torch.float32)
     assert type(cache).__name__ == "QKVShareCache" and cache.get_seq_length() == 10
     assert all(layer.values is None and layer.keys.shape == (1, HEADS, 10, HEAD_DIM) for layer in cache.layers)
     static = bench_decode.build_cache(row.model, "static", 1, 30)
+    bench_decode.fill_cache(row, static, 1, 10, CPU, torch.float32)
     assert type(static).__name__ == "QKVShareStaticCache" and static.max_cache_len == 30
+    assert static.get_seq_length() == 10 and static.nbytes() == LAYERS * HEADS * 30 * HEAD_DIM * 4  # one tensor
+    # a pre-RoPE tie keeps the positions of the cached tokens: 0..9, 8 bytes each on top of the one tensor per layer
+    base = QKVShareConfig.from_preset("tiny", kv_tie_point="pre_rope")
+    (pre,) = bench_decode.build_models(base, ["Q-K=V"], ["dynamic"], CPU, torch.float32, 0)
+    cache = bench_decode.build_cache(pre.model, "dynamic", 2, 10)
+    bench_decode.fill_cache(pre, cache, 2, 10, CPU, torch.float32)
+    assert torch.equal(cache.positions, torch.arange(10).expand(2, -1))
+    assert cache.nbytes() == LAYERS * 2 * HEADS * 10 * HEAD_DIM * 4 + 8 * 2 * 10
 
 
 def test_failing_cell_is_na_and_others_run(tiny_rows, monkeypatch):

@@ -15,9 +15,10 @@ Method (printed above the table)
   (`cache_implementation="quantized"`: int4 with `cache_config={"backend": "quanto", "nbits": 4}`, int8 with
   `{"backend": "hqq", "nbits": 8}`, as transformers' quanto backend takes 2 and 4 bits only; int8 needs the `hqq`
   package, and its cells are n/a without it).
-- A decode step at context C does not need a C-token prefill: the cache is filled to C tokens directly, through
-  its own `update()` (one random (B, H_kv, C, D) tensor per layer, one tensor for tied layers of the QKVShare
-  caches, positions recorded when the cache tracks them), so it has its real layout and size. Then one untimed
+- A decode step at context C does not need a C-token prefill: the cache is filled to C tokens directly, as the
+  attention layers fill it (one random (B, H_kv, C, D) tensor per layer, through `attend` for the QKVShare caches,
+  which keep one tensor for tied layers and record positions when they track them, and `update` for transformers'
+  caches), so it has its real layout and size. Then one untimed
   step (it compiles, for the compiled kind), then N timed greedy steps (model forward on one new token per
   sequence, with the cache). ms per token = decode time / N (a step produces B tokens: one per sequence).
 - Interleaved: in every round each (model, cache kind) cell is built, filled and timed once, in a rotated order,
@@ -160,21 +161,22 @@ def build_cache(model, kind: str, batch: int, slots: int):
 
 
 def fill_cache(row: DecodeModel, cache, batch: int, context: int, device, dtype) -> None:
-    """Write ``context`` random tokens per sequence into every layer through the cache's own `update()`, as the
-    model's attention layers do (tied layers of a QKVShare cache: one tensor; positions when the cache tracks them).
+    """Write ``context`` random tokens per sequence into every layer as the model's attention layers do: a QKVShare
+    cache through `attend` (it decides what each layer keeps, and records the positions when it tracks them), a
+    transformers cache through `update`.
     """
     import torch
 
-    from qkvshare import QKVShareCache
+    from qkvshare.cache_qkvshare import QKVShareCacheMixin, Rotation
 
-    ours = isinstance(cache, QKVShareCache)
+    ours = isinstance(cache, QKVShareCacheMixin)
     with torch.inference_mode():
         if ours:
             cache.update_positions(torch.arange(context, device=device).expand(batch, -1))
-        for i, tied in enumerate(row.tied_layers):
+        for i in range(len(row.tied_layers)):
             states = torch.randn(batch, row.kv_heads, context, row.head_dim, device=device, dtype=dtype)
-            if tied and ours:
-                cache.update(states, None, i)
+            if ours:
+                cache.attend(i, states, states, Rotation(new=None))  # random states: no RoPE to apply
             else:
                 cache.update(states, states, i)  # the cache copies them into its own key and value storage
             del states
@@ -585,7 +587,7 @@ def summary_lines(summary: list[dict[str, Any]], rss: dict[str, dict[str, Any]])
 def method_note(new_tokens: int, repeats: int, max_repeats: int) -> str:
     """The method paragraph printed above the tables."""
     return (
-        "Method: each cache is built as generate() builds it and filled to the context through its own update() "
+        "Method: each cache is built as generate() builds it and filled to the context as the attention layers fill it "
         f"(random states, real layout); after one untimed step, {new_tokens} greedy decode steps are timed. "
         f"Cells interleaved per round, {repeats} to {max_repeats} rounds (more while a spread is above "
         f"{MAX_SPREAD:.0%}); median ms per step (one token per sequence), spread = (max - min) / median. Ratios are "
