@@ -17,11 +17,14 @@ Design notes
   it with `torch.onnx.export(dynamo=True)`.
 - `greedy_generate` drives any of them (the eager wrapper, an ExportedProgram, an ExecuTorch method, an ONNX
   session) the same way, so tests and `qkvshare export` compare their tokens with `model.generate`.
-- The command line (`qkvshare export`, `main`) parses with `qkvshare.export_args` (no torch: see qkvshare_cli).
+- The command (`qkvshare export`, `execute`) gets its arguments from `qkvshare_cli.export` (parsed without torch)
+  and checks the model directory's config.json (`check_model_dir`) before it loads the model.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +32,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .cache_qkvshare import QKVShareStaticCache
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.export import DEFAULT_MAX_CACHE_LEN, FORMATS
+
+from .cache_qkvshare import QKVShareCache, QKVShareStaticCache
+from .evaluation.common import read_config_json
+from .model_dir import check_weights_fit_config
+from .modeling_qkvshare import QKVShareForCausalLM
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids (B, T), cache_position (T,)) -> logits
 
@@ -235,8 +244,6 @@ def reference_tokens(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int
     """The eager model's greedy tokens (B, max_new_tokens) after `prompt`, decoded through its default dynamic
     `QKVShareCache` (not the static cache the programs hold) and, like `greedy_generate`, never stopping at an
     end-of-sequence token, so the two compare token for token."""
-    from .cache_qkvshare import QKVShareCache
-
     cache = QKVShareCache(model.config)
     return greedy_generate(lambda ids, _: model(ids, cache=cache, use_cache=True).logits, prompt, max_new_tokens)
 
@@ -256,13 +263,46 @@ def greedy_generate(step: Step, prompt: torch.Tensor, max_new_tokens: int) -> to
 
 
 # ----------------------------------------------------------------------------- qkvshare export
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare export MODEL_DIR --format executorch|onnx`: write the program, print its size and cache bytes, and
-    compare its greedy tokens with the model's. Returns 0, or 1 when the tokens differ."""
-    from .export_args import parse_args
-    from .modeling_qkvshare import QKVShareForCausalLM
+def check_model_dir(args: argparse.Namespace) -> None:
+    """Check `args` against the model directory's config.json, and fill the defaults that depend on it
+    (`--max_cache_len`, `--output`); a `ValueError` naming the bad input."""
+    config = read_config_json(args.model_dir)  # a ValueError naming the directory when it is not a model
+    if config.get("model_type") != "qkvshare":
+        raise ValueError(
+            f"{args.model_dir} holds a {config.get('model_type')!r} model, not a QKVShare one (model_type "
+            "'qkvshare'); pass a directory written by QKVShareForCausalLM.save_pretrained or `qkvshare train`."
+        )
+    limit = int(config.get("max_position_embeddings") or DEFAULT_MAX_CACHE_LEN)
+    if args.max_cache_len is None:
+        args.max_cache_len = min(limit, DEFAULT_MAX_CACHE_LEN)
+    if config.get("position_embedding_type") == "learned" and args.max_cache_len > limit:
+        raise ValueError(
+            f"--max_cache_len {args.max_cache_len} is beyond max_position_embeddings={limit} of this model's learned "
+            f"position table; use --max_cache_len {limit} or less."
+        )
+    if config.get("attention_kernel") == "linear":
+        raise ValueError(
+            f"{args.model_dir} uses attention_kernel='linear' (a constant-size state, no static cache); qkvshare "
+            "export supports softmax-attention models."
+        )
+    if args.output is None:  # next to the weights: the directory exists
+        args.output = str(Path(args.model_dir) / f"model{FORMATS[args.format]}")
 
-    args = parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """`qkvshare export ARGV` (the same as the console command); returns the exit status."""
+    return cli_main(["export", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """`qkvshare export MODEL_DIR --format executorch|onnx`: write the program, print its size and cache bytes, and
+    compare its greedy tokens with the model's. Returns 0, 1 when the tokens differ, 2 for bad input."""
+    try:
+        check_model_dir(args)
+        check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
+    except ValueError as err:
+        print(f"qkvshare export: error: {err}", file=sys.stderr)
+        return 2
     model = QKVShareForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa").eval()
     config = model.config
     decoder = StaticCacheDecoder(model, max_cache_len=args.max_cache_len, batch_size=args.batch_size)

@@ -16,8 +16,9 @@ import torch
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.analysis import bench, compare, costs, weights
 from qkvshare.analysis.common import base_config, default_variants, variant_config
-from qkvshare.analysis.conventions import slug
 from qkvshare.train.model import llama_twin_config
+from qkvshare_cli import bench as bench_cli
+from qkvshare_cli.conventions import slug
 
 PAPER_VARIANTS = ["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-4", "Q-GQA-4", "MQA", "Q-MQA"]
 
@@ -165,17 +166,19 @@ def _help_blocks(text: str) -> dict[str, str]:
 
 
 def _parsers():
-    from qkvshare.evaluation import harness, perplexity
-    from qkvshare.synthetic import sweep
+    from qkvshare_cli import analyze, perplexity, synthetic
+    from qkvshare_cli import compare as compare_cli
+    from qkvshare_cli import costs as costs_cli
+    from qkvshare_cli import eval as eval_cli
 
     return {
-        "eval": harness.parse_args,
+        "eval": eval_cli.parse_args,
         "perplexity": perplexity.parse_args,
-        "synthetic": sweep.parse_args,
-        "costs": costs.parse_args,
-        "bench": bench.parse_args,
-        "compare": compare.parse_args,
-        "analyze": weights.build_parser().parse_args,
+        "synthetic": synthetic.parse_args,
+        "costs": costs_cli.parse_args,
+        "bench": bench_cli.parse_args,
+        "compare": compare_cli.parse_args,
+        "analyze": analyze.parse_args,
     }
 
 
@@ -204,53 +207,53 @@ def test_help_prints_each_default_once(command, capsys):
         assert blocks["--dtype"].count("(aliases fp32, bf16, fp16)") == 1
 
 
-LIGHT_PARSE = """
+PARSE_FRESH = """
 import contextlib, importlib, io, json, sys
-from qkvshare_cli import light_imports
 calls = []
 for target, argv in {calls!r}:
     module, _, function = target.partition(":")
     out, err = io.StringIO(), io.StringIO()
-    with light_imports(module), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             getattr(importlib.import_module(module), function)(argv)
             code, message = 0, ""
         except SystemExit as exit_:
             code, message = exit_.code, ""
-        except ValueError as error:  # a bad value (the protocol): the entry point prints it, exit status 2
+        except ValueError as error:  # a bad value: the entry point prints it, exit status 2
             code, message = "ValueError", str(error)
     calls.append([code, out.getvalue(), err.getvalue() + message])
-heavy = [m for m in ("torch", "transformers", "lm_eval", "datasets", "safetensors", "matplotlib") if m in sys.modules]
+heavy = [m for m in ("torch", "transformers", "lm_eval", "datasets", "safetensors", "matplotlib", "qkvshare")
+         if m in sys.modules]
 print(json.dumps({{"calls": calls, "heavy": heavy}}))
 """
 
 
 def test_command_parsers_answer_without_torch():
-    # The `parse` functions the `qkvshare` entry point may call before importing a command (qkvshare_cli's
-    # protocol): --help and usage errors are answered, and neither torch nor another heavy library is imported.
+    # The parsers the `qkvshare` entry point calls before it imports a command: --help, usage errors and bad values
+    # are answered in a fresh interpreter, and neither the package nor torch or another heavy library is imported.
     root = Path(__file__).resolve().parents[1]
     calls = [
-        ("qkvshare.evaluation.harness:parse_args", ["--help"]),
-        ("qkvshare.evaluation.harness:parse_args", ["--dtype", "fp64"]),
-        ("qkvshare.evaluation.perplexity:parse_args", ["--help"]),
-        ("qkvshare.evaluation.perplexity:parse_args", ["model"]),
-        ("qkvshare.synthetic.sweep:parse_args", ["--help"]),
-        ("qkvshare.analysis.weights:parse_args", ["--help"]),
-        ("qkvshare.analysis.weights:parse_args", ["model", "--format", "csv"]),
-        ("qkvshare.analysis.costs:parse_args", ["--help"]),
-        ("qkvshare.analysis.costs:parse_args", ["--preset", "tiny", "--override", "hidden_size"]),
-        ("qkvshare.analysis.costs:parse_args", ["--preset", "tiny", "--dtypes", "fp4"]),
-        ("qkvshare.analysis.costs:parse_args", ["--preset", "tiny", "--seq_lens", "128", "--format", "json"]),
-        ("qkvshare.analysis.bench:parse_args", ["--help"]),
-        ("qkvshare.analysis.bench:parse_args", ["--core", "--batch_sizes", "0"]),
-        ("qkvshare.analysis.bench:parse_args", ["--preset", "tiny", "--model_dir", "m"]),
-        ("qkvshare.analysis.compare:parse_args", ["--help"]),
-        ("qkvshare.analysis.compare:parse_args", ["--max_steps", "0"]),
-        ("qkvshare.analysis.compare:parse_args", ["--variants", "QKV", "--train_file", "t.txt", "--variant=MQA"]),
-        ("qkvshare.analysis.compare:parse_args", ["--variants", "QKV", "--train_file", "t.txt"]),
+        ("qkvshare_cli.eval:parse_args", ["--help"]),
+        ("qkvshare_cli.eval:parse_args", ["--dtype", "fp64"]),
+        ("qkvshare_cli.perplexity:parse_args", ["--help"]),
+        ("qkvshare_cli.perplexity:parse_args", ["model"]),
+        ("qkvshare_cli.synthetic:parse_args", ["--help"]),
+        ("qkvshare_cli.analyze:parse_args", ["--help"]),
+        ("qkvshare_cli.analyze:parse_args", ["model", "--format", "csv"]),
+        ("qkvshare_cli.costs:parse_args", ["--help"]),
+        ("qkvshare_cli.costs:parse_args", ["--preset", "tiny", "--override", "hidden_size"]),
+        ("qkvshare_cli.costs:parse_args", ["--preset", "tiny", "--dtypes", "fp4"]),
+        ("qkvshare_cli.costs:parse_args", ["--preset", "tiny", "--seq_lens", "128", "--format", "json"]),
+        ("qkvshare_cli.bench:parse_args", ["--help"]),
+        ("qkvshare_cli.bench:parse_args", ["--core", "--batch_sizes", "0"]),
+        ("qkvshare_cli.bench:parse_args", ["--preset", "tiny", "--model_dir", "m"]),
+        ("qkvshare_cli.compare:parse_args", ["--help"]),
+        ("qkvshare_cli.compare:parse_args", ["--max_steps", "0"]),
+        ("qkvshare_cli.compare:parse_args", ["--variants", "QKV", "--train_file", "t.txt", "--variant=MQA"]),
+        ("qkvshare_cli.compare:parse_args", ["--variants", "QKV", "--train_file", "t.txt"]),
     ]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    code = LIGHT_PARSE.format(calls=calls)
+    code = PARSE_FRESH.format(calls=calls)
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -430,13 +433,13 @@ def test_bench_tie_points_and_core_settings(tmp_path):
     assert cache["Q-K=V (pre_rope)"]["measured_bytes"] == cache["Q-K=V (pre_rope)"]["theory_bytes"] == kv_bytes + 8 * 8
     assert [row[0] for row in _table_rows((out / "by_variant.md").read_text())] == list(cache)[:3]
 
-    core = bench.parse_args(["--core"])
+    core = bench_cli.parse_args(["--core"])
     assert core.variants == ["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-2", "Q-GQA-2", "MQA", "Q-MQA"]
     assert core.kv_tie_points == ["post_rope", "pre_rope"] and core.batch_sizes == [4]
     assert core.context_lens == [128, 512, 1024] and core.preset is None  # the default shape: small
-    given = bench.parse_args(["--core", "--batch_sizes", "1", "--preset", "tiny"])
+    given = bench_cli.parse_args(["--core", "--batch_sizes", "1", "--preset", "tiny"])
     assert given.batch_sizes == [1] and given.preset == "tiny" and given.kv_tie_points == ["post_rope", "pre_rope"]
-    assert bench.parse_args([]).kv_tie_points is None and bench.parse_args([]).batch_sizes == [1, 4]
+    assert bench_cli.parse_args([]).kv_tie_points is None and bench_cli.parse_args([]).batch_sizes == [1, 4]
 
 
 def test_interleaved_rotates_order_and_drops_warmup():
@@ -462,8 +465,7 @@ def test_bench_rejects_bad_input(capsys):
     assert "--timer cpu measures host CPU time" in capsys.readouterr().err
     assert bench.main(["--preset", "tiny", "--device", "gpu0"]) == 2
     assert "--device 'gpu0' is not a device" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["--kv_tie_points", "mid_rope"])
+    assert bench.main(["--kv_tie_points", "mid_rope"]) == 2  # a usage error: argparse's message, exit status 2
     assert "invalid choice: 'mid_rope'" in capsys.readouterr().err
     # a flag given without values is an error, not the defaults; a zero capacity context is not "the longest"
     assert bench.main(["--preset", "tiny", "--variants"]) == 2

@@ -11,6 +11,7 @@ import torch
 
 from qkvshare.analysis import bench, bench_decode
 from qkvshare.configuration_qkvshare import QKVShareConfig
+from qkvshare_cli.bench import parse_args as parse_bench_args
 
 CPU = torch.device("cpu")
 # tiny: 2 layers, 4 heads of 16, 4 kv heads; fp32
@@ -195,7 +196,7 @@ def test_rss_comparison_arithmetic(tiny_rows):
 def test_a_variant_name_means_one_config_in_bench_and_bench_decode():
     # On a GQA base (2 key/value heads of 4), Q-K=V keeps the base's key/value heads in both benchmarks.
     argv = ["--preset", "tiny", "--override", "num_key_value_heads=2", "--variants", "Q-K=V", "QKV", "Q-MQA"]
-    setup = bench.resolve_setup(bench.parse_args(argv))
+    setup = bench.resolve_setup(parse_bench_args(argv))
     from_bench = dict(setup.variants)
     rows = bench_decode.build_models(setup.base, ["Q-K=V", "none", "Q-MQA"], ["dynamic"], CPU, torch.float32, 0)
     from_decode = {r.name: r.config for r in rows}

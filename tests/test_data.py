@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from qkvshare.analysis.common import parse_overrides as analysis_overrides
-from qkvshare.overrides import format_overrides, parse_overrides
-from qkvshare.train.args import DataArguments, TrainingSetupError, parse_config_overrides
 from qkvshare.train.data import check_data_file, is_validation_file, load_corpus, stdlib_corpus, unique_documents
+from qkvshare.train.model import parse_config_overrides
 from qkvshare.train.pretrain import main as train_main
 from qkvshare.train.tokenizer import CHAT_TEMPLATE, load_tokenizer, train_bpe_tokenizer
+from qkvshare_cli.overrides import format_overrides, parse_overrides
+from qkvshare_cli.train import DataArguments, TrainingSetupError
 
 DOCS = [f"document {i}: " + "alpha beta gamma " * (i % 4 + 1) for i in range(40)]
 
@@ -218,6 +219,36 @@ def test_good_files_pass_and_other_bad_sources_are_named(tmp_path):
         load_corpus(DataArguments(dataset_name=str(tmp_path / "hub")))
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("v.txt", "  \n\n \t\n", "the file is empty or has only whitespace"),
+        ("v.jsonl", '{"text": "  "}\n\n{"text": null}\n', "the file is empty or has no line with a non-empty 'text'"),
+    ],
+)
+def test_a_validation_file_without_text_is_named_not_the_training_corpus(tmp_path, name, content, says):
+    suffix = Path(name).suffix
+
+    def write_docs(path: Path) -> Path:
+        if suffix == ".jsonl":
+            return write_jsonl(path, DOCS)
+        path.write_text("\n\n".join(DOCS))
+        return path
+
+    (tmp_path / name).write_text(content)
+    train = write_docs(tmp_path / f"train{suffix}")
+    with pytest.raises(TrainingSetupError) as err:
+        load_corpus(DataArguments(train_file=str(train), validation_file=str(tmp_path / name)))
+    assert str(err.value) == (
+        f"--validation_file {str(tmp_path / name)!r} holds no text ({says}); point it at a file with documents."
+    )
+    # One file without text in a data folder is fine: the folder's other files hold the documents.
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / name).write_text(content)
+    write_docs(tmp_path / "folder" / f"docs{suffix}")
+    assert sorted(load_corpus(DataArguments(dataset_name=str(tmp_path / "folder"))).train) == sorted(DOCS[2:])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # --dataset_name: a Dataset.save_to_disk folder
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,7 +341,7 @@ def test_trained_tokenizer_has_model_length_and_chat_template(tmp_path):
 def test_recipe_config_overrides_mapping_keeps_nulls_and_lists(tmp_path):
     """A recipe's `config_overrides` mapping reaches the config with its YAML types (null stays None, lists stay
     lists), not as the strings 'None' / "['none', 'kv']"."""
-    from qkvshare.train.args import load_yaml
+    from qkvshare_cli.train import load_yaml
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

@@ -24,13 +24,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DistilBertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.analysis.conventions import DTYPE_NAMES, slug
 from qkvshare.cli import main as cli
 from qkvshare.evaluation import harness
-from qkvshare.evaluation import perplexity as perplexity_cmd
 from qkvshare.evaluation.common import NonFiniteResultError, kv_cache_bytes_per_token
 from qkvshare.evaluation.perplexity import pack, perplexity, windows
-from qkvshare.evaluation.tasks import DEFAULT_TASKS, FIXTURES_DIR, OFFLINE_TASKS
+from qkvshare.evaluation.tasks import FIXTURES_DIR, OFFLINE_TASKS
+from qkvshare.train.tokenizer import train_bpe_tokenizer
+from qkvshare_cli.conventions import DTYPE_NAMES, slug
+from qkvshare_cli.eval import DEFAULT_TASKS
 
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -276,6 +277,35 @@ def test_perplexity_cli_file(checkpoint, loaded, tmp_path):
     assert saved["perplexity"] == pytest.approx(perplexity(model, tok, TEXTS, max_length=512)["perplexity"], rel=1e-6)
 
 
+@pytest.mark.parametrize("command", ["perplexity", "convert"])
+def test_whole_documents_are_tokenized_without_the_model_length_warning(command):
+    """Perplexity packs whole documents, and convert calibrates on them, then both cut the stream to the model's
+    length: transformers' warning that a longer sequence "will result in indexing errors" would be false there."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    from qkvshare.convert import calibration_ids
+
+    tokenizer = train_bpe_tokenizer(TEXTS * 5, 300, model_max_length=8)
+    document = " ".join(TEXTS)  # dozens of tokens: longer than the tokenizer's model_max_length
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    try:
+        with CaptureLogger(hf_logging.get_logger("transformers.tokenization_utils_base")) as quiet:
+            ids = (
+                pack([document], tokenizer)
+                if command == "perplexity"
+                else calibration_ids(tokenizer, [document], 16, 8)
+            )
+        with CaptureLogger(hf_logging.get_logger("transformers.tokenization_utils_base")) as loud:
+            tokenizer(document)  # the plain call on the same text warns: the capture sees the warning
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    assert ids.numel() == (len(tokenizer(document)["input_ids"]) + 2 if command == "perplexity" else 16)
+    assert quiet.out == ""
+    assert "Token indices sequence length is longer than the specified maximum sequence length" in loud.out
+
+
 def test_kv_cache_bytes_for_other_models():
     llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     assert kv_cache_bytes_per_token(llama, 2) == 2 * 16 * 2 * 3 * 2  # kv heads * head_dim * (K, V) * layers * bytes
@@ -501,11 +531,12 @@ def test_perplexity_non_finite_loss_is_reported_not_printed(checkpoint, tmp_path
 
 
 def test_dtype_names_are_the_same_in_every_command(capsys):
-    from qkvshare.analysis import bench
+    from qkvshare_cli import bench, perplexity
+    from qkvshare_cli import eval as eval_cli
 
     parsers = {
-        "eval": lambda d: harness.parse_args(["m", "--dtype", d]).dtype,
-        "perplexity": lambda d: perplexity_cmd.parse_args(["m", "--validation_file", "f", "--dtype", d]).dtype,
+        "eval": lambda d: eval_cli.parse_args(["m", "--dtype", d]).dtype,
+        "perplexity": lambda d: perplexity.parse_args(["m", "--validation_file", "f", "--dtype", d]).dtype,
         "bench": lambda d: bench.parse_args(["--dtype", d]).dtype,
     }
     for name, parse in parsers.items():
@@ -526,6 +557,9 @@ def test_dtype_names_are_the_same_in_every_command(capsys):
         ("d.jsonl", b'{"text": "fine"}\n{"text": "cut off\n', "line 2 is not valid JSON"),
         ("d.txt", b"good text\n\xff\xfe binary\n", "is not valid UTF-8 at line 2 (byte offset 10"),
         ("d.txt", b"text\x00with a NUL\n", "holds a NUL byte at line 1 (byte offset 4)"),
+        ("d.txt", b"", "holds no text (the file is empty or has only whitespace)"),
+        ("d.txt", b" \n\n\t\n", "holds no text (the file is empty or has only whitespace)"),
+        ("d.jsonl", b"\n\n", "holds no text (the file is empty or has no line with a non-empty 'text')"),
     ],
 )
 def test_perplexity_damaged_text_file_is_named_before_loading(name, content, message, checkpoint, tmp_path, capsys):

@@ -15,6 +15,7 @@ from qkvshare.cache_qkvshare import ContextValueLayer, ContextValueStaticLayer, 
 from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
 from qkvshare.modeling_qkvshare import alibi_slopes
 from qkvshare.synthetic.sweep import SweepArgs, results_table, validate
+from qkvshare_cli import compare as compare_cli
 
 VOCAB = 128
 
@@ -241,7 +242,7 @@ def test_sweep_and_compare_grids_over_position_types():
         "position_embedding_type=rope",
     ]
     with pytest.raises(ValueError, match="--position_types sets position_embedding_type"):
-        compare.parse_args(["--position_types", "rope", "--config_overrides", "position_embedding_type=learned"])
+        compare_cli.parse_args(["--position_types", "rope", "--config_overrides", "position_embedding_type=learned"])
 
 
 def test_qv_ka_refuses_a_sliding_window_and_the_quantized_cache():

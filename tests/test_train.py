@@ -20,13 +20,13 @@ import torch
 from safetensors.torch import load_file
 
 import qkvshare  # noqa: F401  (registers the Auto classes)
-from qkvshare.train.args import TrainingSetupError, parse_args
 from qkvshare.train.checkpoint import list_checkpoints, read_state
 from qkvshare.train.data import BlockSchedule, PackedBlocks, is_validation_file, stdlib_corpus, tokenize_documents
 from qkvshare.train.model import build_config
 from qkvshare.train.pretrain import main, setup
 from qkvshare.train.schedule import get_lr
 from qkvshare.train.tokenizer import train_bpe_tokenizer
+from qkvshare_cli.train import TrainingSetupError, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {
@@ -158,8 +158,8 @@ def test_embedded_corpus_split_is_deterministic_and_disjoint():
 
 def test_hub_style_dataset_in_memory_and_streaming(tmp_path):
     """`--dataset_name` (a local dataset directory stands in for the hub), in memory and streamed per rank."""
-    from qkvshare.train.args import DataArguments
     from qkvshare.train.data import StreamingTrainData, load_corpus
+    from qkvshare_cli.train import DataArguments
 
     docs = [f"doc {i}: " + "alpha beta gamma " * (i % 5 + 1) + f"end {i}" for i in range(40)]
     (tmp_path / "ds").mkdir()
@@ -185,20 +185,52 @@ def test_hub_style_dataset_in_memory_and_streaming(tmp_path):
     assert torch.equal(resumed.batch(2, 0), batches[4])  # resume at step 2 reads what step 2 read
 
 
-def test_recipes_parse_and_build():
-    recipes = sorted((REPO / "configs").rglob("*.yaml"))
-    recipes = [p for p in recipes if p.parent.name != "accelerate"]
-    assert len(recipes) == 3 + 8 + 6  # tiny, cpu-small, uptrain-smollm2; the paper runs
-    for path in recipes:
-        args = parse_args([str(path)])
-        config = build_config(args.model.preset, args.model.variant, {})
-        if args.model.preset.startswith("paper"):
-            assert config.variant == path.stem
+# The paper's variants at each size (docs/research.md, section 4.1): one recipe per size, the variant a flag.
+PAPER_VARIANTS = {
+    "paper-300m": ["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-4", "MQA", "Q-GQA-4", "Q-MQA"],
+    "paper-1.2b": ["QKV", "Q-K=V", "GQA-8", "MQA", "Q-GQA-8", "Q-MQA"],
+}
+
+
+def test_recipes_parse_and_build(tmp_path):
+    recipes = sorted(p.stem for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate")
+    assert recipes == ["cpu-small", "paper-1.2b", "paper-300m", "tiny", "uptrain-smollm2"]
+    for size, variants in PAPER_VARIANTS.items():
+        for variant in variants:
+            args = parse_args([str(REPO / f"configs/{size}.yaml"), "--variant", variant])
+            assert build_config(args.model.preset, args.model.variant, {}).variant == variant
+            assert args.train.output_dir == f"outputs/{size}-{variant}"  # the recipe's {variant} filled in
             global_tokens = 8 * args.train.per_device_train_batch_size * args.train.gradient_accumulation_steps * 2048
             assert global_tokens * args.train.max_steps >= 10e9  # the paper's 10B tokens
             assert args.train.bf16 and args.train.adam_beta2 == 0.95 and args.train.weight_decay == 0.1
+        with pytest.raises(TrainingSetupError, match=rf"'outputs/{size}-{{variant}}' after the variant, but no --var"):
+            parse_args([str(REPO / f"configs/{size}.yaml")])
+    given = parse_args([str(REPO / "configs/paper-300m.yaml"), "--variant", "MQA", "--output_dir", "runs/mqa"])
+    assert given.train.output_dir == "runs/mqa"  # a flag wins over the recipe's directory
+    for name in ("tiny", "cpu-small"):
+        args = parse_args([str(REPO / f"configs/{name}.yaml")])
+        assert build_config(args.model.preset, args.model.variant, {}).variant == args.model.variant
     small = parse_args([str(REPO / "configs/cpu-small.yaml"), "--max_steps", "7"])
     assert small.train.max_steps == 7 and small.model.variant == "Q-K=V" and small.model.preset == "small"
+    (tmp_path / "config.json").write_text('{"model_type": "qkvshare"}')  # what --init_from's check reads
+    uptrain = parse_args([str(REPO / "configs/uptrain-smollm2.yaml"), "--init_from", str(tmp_path)])
+    assert uptrain.model.init_from == str(tmp_path) and uptrain.train.learning_rate == 3e-5
+
+
+def test_bad_variant_of_a_recipe_stops_before_anything_is_written(tmp_path, capsys):
+    """A misspelt --variant with a recipe whose run directory is named after it: the message names the variant,
+    and no run directory appears for it."""
+    import qkvshare_cli
+
+    out = tmp_path / "paper-{variant}"
+    assert (
+        qkvshare_cli.main(
+            ["train", str(REPO / "configs/paper-300m.yaml"), "--variant", "Q-K-V", "--output_dir", str(out)]
+        )
+        == 2
+    )
+    assert "variant='Q-K-V' is not a known variant; allowed: QKV" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -262,7 +294,7 @@ CAPTURE_SOURCE = textwrap.dedent(
     """
     import json
     from safetensors.torch import save_file
-    from qkvshare.train.args import parse_args
+    from qkvshare_cli.train import parse_args
     from qkvshare.train.pretrain import setup, train_step
 
     def capture(args_list, out_prefix):
@@ -432,7 +464,7 @@ def _bad_inputs(corpus: Path, tmp: Path, finished: Path) -> dict[str, tuple[list
     new = tmp / "new"
     return {
         "missing dataset": (tiny_argv(tmp / "nope.jsonl", new), "does not exist"),
-        "empty dataset": (tiny_argv(empty, new), "has no documents"),
+        "empty dataset": (tiny_argv(empty, new), f"--train_file {str(empty)!r} holds no text"),
         "unknown hub dataset": (
             [
                 "--preset",

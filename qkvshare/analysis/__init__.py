@@ -7,8 +7,8 @@
 - `weights`: per-layer cosine similarity and effective rank of the Q, K, V projection weights of a checkpoint
   (`qkvshare analyze`).
 
-Each command module exposes `main(argv) -> int` and a light `parse_args(argv)` (no torch at import; the protocol
-is in `qkvshare_cli`); `common` (variant configs, tables) and `plotting` hold the shared helpers, `conventions` the
-command-line conventions of every `qkvshare` command (help layout, `--dtype` names, file names; standard library
-only).
+Each command module exposes `main(argv) -> int` and `execute(args) -> int`, the command with the arguments its
+parser in `qkvshare_cli` returns; `common` (variant configs, tables) and `plotting` hold the shared helpers,
+`conventions` the `torch.dtype` of a `--dtype` name (the command-line conventions themselves are
+`qkvshare_cli.conventions`).
 """

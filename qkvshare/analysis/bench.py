@@ -1,36 +1,8 @@
 """`qkvshare bench`: measured cache bytes, decode speed, capacity and training throughput against Llama.
 
-    qkvshare bench --preset small --output_dir outputs/bench       # every section, the default variants
-    qkvshare bench --core                                           # the core benchmark (settings below)
-    qkvshare bench --preset llama-300m --device cuda --dtype bf16   # the same on a GPU
-
-What is measured (all in one process, models built once, repetitions interleaved across models so that drift in
-machine load hits every model alike; medians reported, ratios taken between medians)
-- cache: bytes actually held after a prefill of C tokens: `QKVShareCache.nbytes()` for every variant, and the
-  bytes of transformers' `DynamicCache` for `LlamaForCausalLM` of the same shape (same heads and kv heads), next
-  to the theory `config.kv_cache_bytes_per_token(element size) x C`, plus 8 bytes (int64) per token of cached
-  positions where the config needs them (a "+" variant, a pre-RoPE tie);
-- decode: a prefill (timed separately: the forward-time comparison) then N greedy decode steps through the cache,
-  for every batch size and context length; ms per step and generated tokens/s (batch x N / decode time);
-- capacity: from the measured bytes per token, the longest context (batch 1) and the largest batch (at a given
-  context) whose KV cache fits a memory budget (the cache only; weights and activations are not counted);
-- train: optimizer steps (forward, backward, AdamW) per second on random tokens, as tokens/s, with the
-  parameter count and tokens per CPU-second of this process (what other load on a shared machine barely moves).
-
-The Llama references: one `LlamaForCausalLM` per distinct kv-head count among the variants, configured by
-`qkvshare.train.model.llama_twin_config`. Where the preset is Llama-style (RMSNorm, SwiGLU, RoPE), the weights of
-the variant with no sharing (QKV, GQA-g, MQA) are copied into its Llama twin and the logits are checked equal, so
-the "vs Llama" ratios of those rows compare identical computations (the "QKVShare `none` vs LlamaForCausalLM"
-table). Tied variants are compared with the Llama of their kv-head count (what they would be untied).
-`--kv_tie_points post_rope pre_rope` measures every tied variant at each tie point ("Q-K=V (pre_rope)").
-
-`--core` is the core benchmark: the `small` shape, QKV, Q=K-V, Q-K=V (both tie points), Q=K=V, GQA-2, Q-GQA-2,
-MQA, Q-MQA at batch 4 and contexts 128, 512, 1024; any flag given with it wins. Every run prints the summary
-tables (`none` vs Llama; decode ms/token and cache bytes per variant) before the per-section ones.
-`--timer cpu` (CPU only, with `--threads 1`) times with this process's CPU time instead of wall time, so that
-other processes competing for the cores of a shared machine do not enter the ratios. On CUDA, timings synchronise
-the device and the peak memory above the weights is reported; `--dtype bf16` runs decode in bf16 and training
-under bf16 autocast. torch and transformers are imported after the command line is checked.
+What is measured and how (`qkvshare bench --help`) is written with the command's arguments in `qkvshare_cli.bench`;
+`--decode` is `qkvshare.analysis.bench_decode`. This module builds the models, measures the sections and writes the
+report and the plots.
 """
 
 from __future__ import annotations
@@ -43,47 +15,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaForCausalLM
+
+from qkvshare import QKVShareForCausalLM
 from qkvshare.analysis import bench_decode
 from qkvshare.analysis.common import (
-    PRESET_HELP,
     base_and_variants,
-    check_nonempty,
-    check_shape_source,
     markdown_table,
-    parse_overrides,
     variant_config,
     with_fields,
 )
-from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument, report_bad_input, torch_dtype
+from qkvshare.analysis.conventions import torch_dtype
 from qkvshare.analysis.plotting import line_plot
-
-if TYPE_CHECKING:
-    import torch
-
-SECTIONS = ("cache", "decode", "capacity", "train")
-DEFAULT_PRESET = "small"  # the shape when neither --preset nor --model_dir is given
-KV_TIE_POINTS = ("post_rope", "pre_rope")  # the values of QKVShareConfig.kv_tie_point
-# `--core`: the settings of the core benchmark (formerly benchmarks/bench_core.py), under any flag given.
-CORE_SETTINGS = dict(
-    variants=["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-2", "Q-GQA-2", "MQA", "Q-MQA"],
-    kv_tie_points=["post_rope", "pre_rope"],
-    context_lens=[128, 512, 1024],
-    batch_sizes=[4],
-    repeats=5,
-    output_dir="outputs/bench-core",
-)
-# `--decode`: the decode table's settings (see `qkvshare.analysis.bench_decode`), under any flag given.
-DECODE_SETTINGS = dict(
-    context_lens=[1024, 4096, 16384],
-    batch_sizes=[1, 8],
-    new_tokens=8,
-    repeats=3,
-    max_repeats=6,
-    warmup=0,
-    output_dir="outputs/bench-decode",
-)
+from qkvshare.train.model import count_parameters, llama_twin_config
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.bench import shape_preset
+from qkvshare_cli.conventions import report_bad_input
 
 
 @dataclass
@@ -151,12 +102,6 @@ def variant_configs(base, variants: list[str], tie_points: list[str]) -> list[tu
 
 def build_candidates(setup: Setup, attn_implementation: str, seed: int) -> list[Candidate]:
     """The variants (random init, ``seed``) and one Llama reference per kv-head count, in eval mode."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from qkvshare import QKVShareForCausalLM
-    from qkvshare.train.model import llama_twin_config
-
     device, dtype, base = setup.device, torch_dtype(setup.dtype_name), setup.base
     cands: list[Candidate] = []
     for name, cfg in setup.variants:
@@ -186,8 +131,6 @@ def build_candidates(setup: Setup, attn_implementation: str, seed: int) -> list[
 def copy_twin_weights(llama, twin, vocab_size: int, device) -> float:
     """Load the weights of ``twin`` (QKVShare, nothing shared, Llama-style) into ``llama``; return the max |logit
     difference| of the two on 16 random tokens (0 up to float rounding: the same computation)."""
-    import torch
-
     llama.load_state_dict(twin.state_dict(), strict=True)
     ids = torch.randint(0, vocab_size, (1, 16), device=device)
     with torch.inference_mode():
@@ -215,8 +158,6 @@ def theory_bytes(c: Candidate, tokens: int, element_size: int) -> int:
 # measurements
 # ----------------------------------------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -225,8 +166,6 @@ def prefill_and_decode(
     model, input_ids: torch.Tensor, new_tokens: int, clock: Callable[[], float] = time.perf_counter
 ) -> dict[str, float]:
     """Prefill ``input_ids`` (the model makes its default cache), then ``new_tokens`` greedy steps; times in s."""
-    import torch
-
     device = input_ids.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -257,8 +196,6 @@ def interleaved(cands: list[Candidate], reps: int, warmup: int, fn: Callable[[Ca
     The one timing loop of the package: every timed comparison (prefill, decode, training) goes through it, so
     drift in machine load hits every model alike.
     """
-    from tqdm.auto import tqdm
-
     runs: dict[str, list[dict]] = {c.name: [] for c in cands}
     rounds = warmup + reps
     for r in tqdm(range(rounds), desc=desc, leave=False):
@@ -276,8 +213,6 @@ def median(runs: list[dict], key: str) -> float:
 
 def measure_cache(cands, context_lens, device, element_size) -> list[dict]:
     """Cache bytes after a batch-1 prefill at each context length (deterministic: one run each)."""
-    import torch
-
     rows = []
     for T in context_lens:
         ids = torch.randint(0, cands[0].config.vocab_size, (1, T), device=device)
@@ -307,8 +242,6 @@ def measure_decode(
     cands, context_lens, batch_sizes, new_tokens, reps, warmup, device, element_size, clock=time.perf_counter
 ) -> list[dict]:
     """Median prefill time, decode ms/step and tokens/s per (batch, context, model), interleaved repetitions."""
-    import torch
-
     rows = []
     for B in batch_sizes:
         for T in context_lens:
@@ -392,12 +325,6 @@ def measure_train(
 
     Each repetition times ``steps`` optimizer steps with ``clock`` and, always, with this process's CPU time.
     """
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from qkvshare import QKVShareForCausalLM
-    from qkvshare.train.model import count_parameters
-
     dtype = torch_dtype(dtype_name)
     ids = torch.randint(0, cands[0].config.vocab_size, (batch, seq_len), device=device)
     state = {}
@@ -643,122 +570,6 @@ def plots(report: dict[str, Any], output_dir: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------------------
 # command line
 # ----------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qkvshare bench", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--core", action="store_true", help="the core benchmark's settings (see above); flags given win")
-    p.add_argument(
-        "--decode",
-        action="store_true",
-        help="the decode table instead: ms/token and cache bytes per cache kind against Llama, and the peak RSS "
-        "of a whole generate() (method: python -m pydoc qkvshare.analysis.bench_decode); flags given win over its "
-        "settings (contexts 1024 4096 16384, batches 1 8, 8 new tokens, 3-6 rounds)",
-    )
-    p.add_argument("--preset", default=None, help=f"{PRESET_HELP}; default {DEFAULT_PRESET}")
-    p.add_argument("--model_dir", help="take the shape from a QKVShare or Llama model directory's config.json")
-    p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
-    p.add_argument("--variants", nargs="*", help="default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
-    p.add_argument(
-        "--kv_tie_points",
-        nargs="+",
-        choices=KV_TIE_POINTS,
-        default=None,
-        help="measure tied variants at each of these tie points (default: the config's, post_rope)",
-    )
-    p.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=SECTIONS, help="what to measure")
-    p.add_argument("--context_lens", nargs="*", type=int, default=[128, 512, 1024], help="prefill lengths")
-    p.add_argument("--batch_sizes", nargs="*", type=int, default=[1, 4], help="decode batch sizes")
-    p.add_argument("--new_tokens", type=int, default=16, help="decode steps timed per run")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (interleaved across models)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed ones")
-    p.add_argument(
-        "--decode_models",
-        nargs="+",
-        default=list(bench_decode.DEFAULT_MODELS),
-        help="--decode rows: Llama (the shape's LlamaForCausalLM), none and Q-K=V (at the shape's kv heads), or "
-        "paper variant names",
-    )
-    p.add_argument(
-        "--decode_caches",
-        nargs="+",
-        choices=tuple(bench_decode.CACHE_KINDS),
-        default=list(bench_decode.CACHE_KINDS),
-        help="--decode cache kinds (untied models get the unquantized ones)",
-    )
-    p.add_argument(
-        "--max_repeats", type=int, default=None, help="--decode: rounds added up to this while a spread is above 5%%"
-    )
-    p.add_argument(
-        "--rss_context", type=int, default=16384, help="--decode: prompt length of the peak-RSS runs (0: none)"
-    )
-    p.add_argument("--rss_models", nargs="+", default=["Llama", "Q-K=V"], help="--decode: models of the RSS runs")
-    p.add_argument(
-        "--decode_plot",
-        default=None,
-        metavar="PNG",
-        help="--decode: the figure (decode time and cache memory against context length); default decode.png in "
-        "--output_dir",
-    )
-    p.add_argument("--rss_timeout", type=float, default=1800.0, help="--decode: seconds allowed per RSS process")
-    p.add_argument("--budget_mib", type=float, default=1024.0, help="KV-cache memory budget for the capacity table")
-    p.add_argument("--capacity_context", type=int, default=None, help="context of 'largest batch' (default: longest)")
-    p.add_argument("--train_batch_size", type=int, default=8, help="sequences per training step")
-    p.add_argument("--train_seq_len", type=int, default=128, help="tokens per training sequence")
-    p.add_argument("--train_steps", type=int, default=2, help="optimizer steps per timed repetition")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    add_dtype_argument(p, "auto", "decode dtype and training autocast; auto: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--attn_implementation", default="sdpa", help="sdpa or eager (both models use the same)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--timer",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time (synchronised on CUDA). cpu: this process's CPU time, robust to other "
-        "processes competing for the cores of a shared machine; use it with --threads 1 (CPU only)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="initialisation and input seed")
-    p.add_argument("--output_dir", default="outputs/bench", help="bench.md, bench.json, one .md per table, PNGs")
-    return p
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; with `--core`, the core benchmark's settings replace the defaults (given flags win).
-
-    Every option that can be checked without the config or torch is checked here (light: see `qkvshare_cli`); a
-    `ValueError` names the bad option. `resolve_setup` checks the rest (override keys, variants, device).
-    """
-    parser = build_parser()
-    given = sys.argv[1:] if argv is None else argv
-    if "--core" in given:
-        parser.set_defaults(**CORE_SETTINGS)
-    if "--decode" in given:
-        parser.set_defaults(**DECODE_SETTINGS)
-    args = parser.parse_args(argv)
-    if args.core and args.decode:
-        raise ValueError("--core and --decode are two different benchmarks; give one of them.")
-    if (args.max_repeats is not None and args.max_repeats < 1) or args.rss_context < 0 or args.rss_timeout <= 0:
-        raise ValueError("--max_repeats must be >= 1, --rss_context >= 0 (0: no RSS runs) and --rss_timeout > 0.")
-    check_nonempty(args, ("variants", "sections"))
-    for flag in ("context_lens", "batch_sizes"):
-        if not getattr(args, flag) or min(getattr(args, flag)) <= 0:
-            raise ValueError(f"--{flag} needs positive integers.")
-    if min(args.new_tokens, args.repeats, args.train_batch_size, args.train_seq_len, args.train_steps) <= 0:
-        raise ValueError("--new_tokens, --repeats and the --train_* sizes must be positive.")
-    if args.warmup < 0 or (args.threads is not None and args.threads < 1) or args.budget_mib <= 0:
-        raise ValueError("--warmup must be >= 0, --threads >= 1 and --budget_mib > 0.")
-    if args.capacity_context is not None and args.capacity_context < 1:
-        raise ValueError(f"--capacity_context {args.capacity_context}: must be a positive token count.")
-    if args.attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"--attn_implementation {args.attn_implementation!r}: allowed: sdpa, eager.")
-    check_shape_source(shape_preset(args), args.model_dir)
-    parse_overrides(args.override, check_keys=False)
-    return args
-
-
-def shape_preset(args: argparse.Namespace) -> str | None:
-    """The preset giving the shape: --preset, else the default one unless --model_dir gives it."""
-    return args.preset or (None if args.model_dir else DEFAULT_PRESET)
-
-
 def resolve_setup(args: argparse.Namespace) -> Setup:
     """Build the configs and check what `parse_args` could not; a `ValueError` naming the option, before any model."""
     base, variants = base_and_variants(shape_preset(args), args.model_dir, args.override, args.variants, plus=False)
@@ -776,8 +587,6 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
                 except ValueError as err:
                     raise ValueError(f"--decode_models {name!r}: {err}") from None
     tie_points = list(dict.fromkeys(args.kv_tie_points or [base.kv_tie_point]))
-
-    import torch
 
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -810,8 +619,6 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
 
 def measure(args: argparse.Namespace, setup: Setup, cands: list[Candidate]) -> dict[str, Any]:
     """Run the requested sections; the JSON-serialisable report."""
-    import torch
-
     element_size = torch.tensor([], dtype=torch_dtype(setup.dtype_name)).element_size()
     base = setup.base
     report: dict[str, Any] = {
@@ -865,8 +672,6 @@ def measure(args: argparse.Namespace, setup: Setup, cands: list[Candidate]) -> d
 
 def write_report(args: argparse.Namespace, setup: Setup, report: dict[str, Any]) -> str:
     """Print and write bench.md, one .md per table, bench.json and the plots; return the markdown."""
-    import torch
-
     md = tables(report)
     base = setup.base
     shape = (
@@ -912,13 +717,16 @@ def write_report(args: argparse.Namespace, setup: Setup, report: dict[str, Any])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare bench`: parse, check, build the models, measure, write."""
+    """`qkvshare bench ARGV` (also `python -m qkvshare.analysis.bench`); returns the exit status."""
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """`qkvshare bench` with its parsed arguments: check, build the models, measure, write."""
     try:
-        args = parse_args(argv)
         setup = resolve_setup(args)
     except ValueError as err:
         return report_bad_input("bench", err)
-    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)

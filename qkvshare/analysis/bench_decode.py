@@ -54,20 +54,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvshare.analysis.common import markdown_table, model_fields, variant_config
-from qkvshare.analysis.plotting import line_plot
+import torch
+from transformers import GenerationConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerationMode
 
-# Cache kinds of the decode table: (cache_implementation, cache_config, compile).
-CACHE_KINDS: dict[str, tuple[str | None, dict | None, bool]] = {
-    "dynamic": (None, None, False),
-    "static": ("static", None, False),
-    "static+compile": ("static", None, True),
-    "quantized-int4": ("quantized", {"backend": "quanto", "nbits": 4}, False),
-    "quantized-int8": ("quantized", {"backend": "hqq", "nbits": 8}, False),  # quanto: 2 and 4 bits only
-}
-# The default rows. Every row gets the cache kinds asked for, except that untied QKVShare rows get only
-# UNTIED_KINDS; Llama also gets the quantized kinds, the reference of the tied rows.
-DEFAULT_MODELS = ("Llama", "none", "Q-K=V", "Q-GQA-1")
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.analysis.common import markdown_table, model_fields, variant_config
+from qkvshare.analysis.conventions import torch_dtype
+from qkvshare.analysis.plotting import line_plot
+from qkvshare.cache_qkvshare import QKVShareCacheMixin, Rotation, cache_layer_nbytes
+from qkvshare.train.model import llama_twin_config
+from qkvshare_cli.bench import CACHE_KINDS
+
 UNTIED_KINDS = ("dynamic", "static", "static+compile")
 MAX_SPREAD = 0.05  # rounds are added while a cell's spread is above this
 Q_GROUP_SIZE = 64  # transformers' QuantizedCache default `q_group_size`
@@ -108,12 +106,7 @@ class Cell:
 # ----------------------------------------------------------------------------------------------------------------
 def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: int) -> list[DecodeModel]:
     """The Llama of the shape and the QKVShare rows (random init, ``seed``); `none` gets Llama's weights."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from qkvshare import QKVShareForCausalLM
     from qkvshare.analysis.bench import copy_twin_weights  # here: bench imports this module
-    from qkvshare.train.model import llama_twin_config
 
     rows: list[DecodeModel] = []
     llama = None
@@ -142,9 +135,6 @@ def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: 
 # ----------------------------------------------------------------------------------------------------------------
 def build_cache(model, kind: str, batch: int, slots: int):
     """The cache `generate()` would build for this kind (``slots`` = prompt + new tokens, for static caches)."""
-    from transformers import GenerationConfig
-    from transformers.generation.utils import GenerationMode
-
     implementation, cache_config, _ = CACHE_KINDS[kind]
     gen = GenerationConfig(
         cache_implementation=implementation,
@@ -165,10 +155,6 @@ def fill_cache(row: DecodeModel, cache, batch: int, context: int, device, dtype)
     cache through `attend` (it decides what each layer keeps, and records the positions when it tracks them), a
     transformers cache through `update`.
     """
-    import torch
-
-    from qkvshare.cache_qkvshare import QKVShareCacheMixin, Rotation
-
     ours = isinstance(cache, QKVShareCacheMixin)
     with torch.inference_mode():
         if ours:
@@ -190,7 +176,6 @@ def held_nbytes(cache) -> int:
     values, and a quantized layer's quantized states), counted as the QKVShare caches count theirs."""
     if hasattr(cache, "nbytes"):
         return int(cache.nbytes())
-    from qkvshare.cache_qkvshare import cache_layer_nbytes
 
     return sum(cache_layer_nbytes(layer) for layer in cache.layers)
 
@@ -225,8 +210,6 @@ def available_bytes() -> int | None:
 # ----------------------------------------------------------------------------------------------------------------
 def forward_fn(row: DecodeModel, kind: str):
     """The callable of a decode step: the model, or its `torch.compile(fullgraph=True)` form for compiled kinds."""
-    import torch
-
     if not CACHE_KINDS[kind][2]:
         return row.model
     if row.compiled is None:  # dynamic shapes: one compile per model serves every batch and cache length
@@ -236,8 +219,6 @@ def forward_fn(row: DecodeModel, kind: str):
 
 def run_cell(row: DecodeModel, cell: Cell, new_tokens: int, device, dtype, element_size: int, clock) -> None:
     """Build and fill the cache, one untimed step, then ``new_tokens`` timed steps; append ms/token to ``cell``."""
-    import torch
-
     from qkvshare.analysis.bench import _sync
 
     slots = cell.context + 1 + new_tokens  # the fill, the untimed step, the timed ones
@@ -292,8 +273,6 @@ def measure_decode_table(
     log=print,
 ) -> list[Cell]:
     """Every (model, cache kind) cell at every (batch, context), interleaved rounds (see the module docstring)."""
-    import torch
-
     element_size = torch.tensor([], dtype=dtype).element_size()
     cells: list[Cell] = []
     broken: dict[tuple[str, str], str] = {}  # a compile or backend that failed once fails for every shape
@@ -337,12 +316,6 @@ def measure_decode_table(
 def rss_child(spec: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: build one model, run `generate()` on a ``context``-token prompt (batch 1), and return
     the peak resident memory (VmHWM) before and after, the weights' bytes and the time taken."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from qkvshare import QKVShareConfig, QKVShareForCausalLM
-    from qkvshare.train.model import llama_twin_config
-
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     base = QKVShareConfig(**spec["base"])
@@ -636,10 +609,6 @@ def write_figure(path: Path, panels: dict[str, dict[str, tuple[list, list]]], ti
 
 def run(args, setup, log=print) -> str:
     """`qkvshare bench --decode`: build the models, measure, print and write decode.md, decode.json and the figure."""
-    import torch
-
-    from qkvshare.analysis.conventions import torch_dtype
-
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch_dtype(setup.dtype_name)

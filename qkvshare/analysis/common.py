@@ -1,6 +1,7 @@
 """Helpers shared by the analysis commands: building configs for variants, tables.
 
-The command-line conventions of every command (help layout, `--dtype` names, file names) are in `conventions`.
+The command-line conventions of every command (help layout, `--dtype` names, file names, the checks of the
+`--preset`/`--model_dir` and list flags) are in `qkvshare_cli.conventions`, with the commands' parsers.
 
 Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
@@ -9,9 +10,6 @@ Design notes
   cleared). So every variant of one table has the same shape, and a name means the same config in every command.
 - Llama-architecture config.json files (model_type llama/mistral/qwen2) map onto the Llama-style QKVShare fields
   (`QKVShareConfig.from_llama`), so the tools accept any such checkpoint directory.
-- Light at import time (standard library and `qkvshare.overrides` only): the commands' `parse_args` import it
-  without torch or transformers (see `qkvshare_cli`). The functions that build configs import the core library's
-  configuration module when called.
 """
 
 from __future__ import annotations
@@ -19,56 +17,33 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qkvshare.overrides import parse_overrides as parse_override_items
+from transformers import CONFIG_MAPPING
 
-if TYPE_CHECKING:  # the configuration module imports transformers: imported by the functions that build configs
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
-PRESET_HELP = "model shape preset: a QKVShareConfig.from_preset name (an unknown one is answered with the list)"
+from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, SHARING_MODES, QKVShareConfig, resolve_variant
+from qkvshare.evaluation.common import read_config_json
+from qkvshare_cli.conventions import check_shape_source
+from qkvshare_cli.overrides import parse_overrides as parse_override_items
 
 
 def model_fields() -> tuple[str, ...]:
     """The config's own model fields (everything below PreTrainedConfig's generic ones)."""
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
     return tuple(QKVShareConfig.__annotations__)
 
 
-def parse_overrides(items: Iterable[str] | None, check_keys: bool = True) -> dict[str, Any]:
-    """Parse `--override key=value ...` with the syntax every command shares (`qkvshare.overrides`); keys must be
-    QKVShareConfig fields. Raises `ValueError` naming the bad item or key.
-
-    ``check_keys=False`` checks the syntax only, without importing the configuration module (the commands'
-    light `parse_args`); the key check then comes when the command runs.
+def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
+    """Parse `--override key=value ...` with the syntax every command shares (`qkvshare_cli.overrides`); keys must
+    be QKVShareConfig fields. Raises `ValueError` naming the bad item or key. (The commands' parsers check the
+    syntax alone, before the configuration module is imported.)
     """
     overrides = parse_override_items(items, "--override")
-    if check_keys:
-        from qkvshare.configuration_qkvshare import QKVShareConfig
-
-        QKVShareConfig.check_field_names(overrides, "--override")
+    QKVShareConfig.check_field_names(overrides, "--override")
     return overrides
-
-
-def check_shape_source(preset: str | None, model_dir: str | None) -> None:
-    """The model shape comes from exactly one of a preset and a model directory (a `ValueError` otherwise)."""
-    if (preset is None) == (model_dir is None):
-        raise ValueError("give exactly one of --preset NAME or --model_dir DIR (the model shape to analyse).")
-
-
-def check_nonempty(args: Any, flags: Iterable[str]) -> None:
-    """A list flag given with no value (``--variants`` alone) is a mistake, not a request for the defaults."""
-    for flag in flags:
-        if getattr(args, flag) == []:
-            raise ValueError(f"--{flag} is empty; give at least one value or leave the flag out.")
 
 
 def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
     """The config of a QKVShare or Llama-architecture model directory (a clear error for a missing or damaged one)."""
-    from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, QKVShareConfig
-    from qkvshare.evaluation.common import read_config_json
-
     d = read_config_json(model_dir)
     model_type = d.get("model_type")
     if model_type == "qkvshare":
@@ -87,8 +62,6 @@ def llama_config_dict(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     config class of its model_type: the fields the file leaves out get that class's defaults (32 attention heads for
     Llama), as the model `from_pretrained` builds gets them. A `ValueError` naming ``where`` when the class refuses it.
     """
-    from transformers import CONFIG_MAPPING
-
     try:
         return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
     except Exception as err:  # its validators raise huggingface_hub's StrictDataclassError, ZeroDivisionError, ...
@@ -98,8 +71,6 @@ def llama_config_dict(config: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def base_config(preset: str | None = None, model_dir: str | None = None, overrides: dict[str, Any] | None = None):
     """The shape every variant shares: a preset or a model directory, then field overrides."""
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
     check_shape_source(preset, model_dir)
     if preset is not None:
         return QKVShareConfig.from_preset(preset, **(overrides or {}))
@@ -122,8 +93,6 @@ def base_and_variants(
 
 def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
     """A copy of ``config`` with some model fields replaced (validated like any new config)."""
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
     values = {k: getattr(config, k) for k in model_fields()} | fields
     return QKVShareConfig(**values)
 
@@ -132,8 +101,6 @@ def variant_config(base: QKVShareConfig, variant: str) -> QKVShareConfig:
     """``base`` turned into the paper variant ``variant`` (`resolve_variant`: same shape, only the sharing fields
     change; a name without a head count keeps the base's key/value heads). A `projection_sharing` value ("none",
     "qk", "kv", "qkv") is taken as its mode's paper name."""
-    from qkvshare.configuration_qkvshare import SHARING_MODES, resolve_variant
-
     name = SHARING_MODES[variant].paper_name if variant in SHARING_MODES else variant
     return with_fields(base, **resolve_variant(name, base))
 

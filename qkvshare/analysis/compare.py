@@ -34,98 +34,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qkvshare.analysis.common import PRESET_HELP, check_nonempty, check_variants, default_variants, markdown_table
-from qkvshare.analysis.conventions import HelpFormatter, report_bad_input, slug
+from qkvshare.analysis.common import check_variants, default_variants, markdown_table
 from qkvshare.analysis.plotting import line_plot
-
-# Sized for about 30 minutes on 2 otherwise idle CPU cores for the eight default variants: 500 steps of 8 x 256
-# tokens (1.02M tokens) per variant. The `small` preset trained at about 6k tokens/s on 2 idle cores here (0.08 s
-# per 512-token step), so about 3 minutes per variant, plus half a minute of tokenization each.
-DEFAULTS = dict(
-    preset="small",
-    max_steps=500,
-    per_device_train_batch_size=8,
-    block_size=256,
-    learning_rate=1e-3,
-    warmup_steps=50,
-    seed=0,
-    eval_steps=500,
-    save_steps=100,
-    max_eval_samples=200,
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="qkvshare compare",
-        description="Pretrain variants with identical data, tokens and seed and print the paper's LM table. "
-        "Unknown flags go to `qkvshare train` unchanged.",
-        allow_abbrev=False,  # a trainer flag must never be taken for a prefix of one of ours
-        formatter_class=HelpFormatter,
-    )
-    p.add_argument("--variants", nargs="*", help="default: QKV, Q-K=V, Q=K-V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA")
-    p.add_argument("--output_dir", default="outputs/compare", help="runs/<variant>/, logs/, the table and the plot")
-    p.add_argument("--preset", default=DEFAULTS["preset"], help=PRESET_HELP)
-    p.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"], help="optimizer steps per variant")
-    p.add_argument(
-        "--per_device_train_batch_size",
-        type=int,
-        default=DEFAULTS["per_device_train_batch_size"],
-        help="blocks per step and device",
-    )
-    p.add_argument("--block_size", type=int, default=DEFAULTS["block_size"], help="tokens per block")
-    p.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"], help="peak learning rate")
-    p.add_argument("--warmup_steps", type=int, default=DEFAULTS["warmup_steps"], help="linear warmup steps")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="initialisation and data-order seed")
-    p.add_argument("--eval_steps", type=int, default=DEFAULTS["eval_steps"], help="validation period (steps)")
-    p.add_argument("--save_steps", type=int, default=DEFAULTS["save_steps"], help="checkpoint period (resume unit)")
-    p.add_argument(
-        "--max_eval_samples",
-        type=int,
-        default=DEFAULTS["max_eval_samples"],
-        help="validation blocks (the same for every variant)",
-    )
-    p.add_argument(
-        "--position_types",
-        nargs="*",
-        help="train each variant with each of these position_embedding_type values (learned, rope, alibi, none); "
-        "default: the preset's own",
-    )
-    p.add_argument("--table_only", action="store_true", help="do not train; tabulate the finished variants")
-    return p
-
-
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """Compare's own options and the flags it passes to the trainer unchanged (`parse_known_args`).
-
-    Every option that can be checked without the config is checked here (light: no torch, see `qkvshare_cli`); a
-    `ValueError` names the bad option. `main` checks the preset and the variant names, which need the config.
-    """
-    args, passthrough = build_parser().parse_known_args(argv)
-    check_nonempty(args, ("variants", "position_types"))
-    if args.position_types and len(set(args.position_types)) != len(args.position_types):
-        raise ValueError(f"--position_types has duplicates: {args.position_types}.")
-    if args.position_types and any("position_embedding_type" in a for a in passthrough):
-        raise ValueError("--position_types sets position_embedding_type per run; leave it out of --config_overrides.")
-    if args.variants and len({slug(v) for v in args.variants}) != len(args.variants):
-        raise ValueError(f"--variants has duplicates: {args.variants}.")
-    for flag in ("max_steps", "per_device_train_batch_size", "block_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1.")
-    reserved = {"--variant", "--resume_from_checkpoint", "--overwrite_output_dir", "--logging_steps"}
-    clash = sorted(reserved & {a.split("=")[0] for a in passthrough})
-    if clash:
-        verb = "is" if len(clash) == 1 else "are"
-        raise ValueError(f"{', '.join(clash)} {verb} set by compare itself per variant; leave them out.")
-    return args, passthrough
+from qkvshare.configuration_qkvshare import QKVShareConfig
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.compare import SHARED_TRAIN_FLAGS
+from qkvshare_cli.conventions import report_bad_input, slug
 
 
 def ordered_variants(preset: str, given: list[str] | None) -> list[str]:
     """The variants to train, checked against the preset: QKV first (the reference of the "vs QKV" column), then
     Q-K=V, Q=K-V, Q=K=V (the issue's order), then the others as given; default: `default_variants` of the preset.
     """
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
     base = QKVShareConfig.from_preset(preset)
     variants = given or default_variants(base, plus=False)
     first = ["QKV", "Q-K=V", "Q=K-V", "Q=K=V"]
@@ -139,7 +59,6 @@ def run_plan(preset: str, variants: list[str], position_types: list[str] | None)
     """
     if not position_types:
         return [(v, v, None) for v in variants]
-    from qkvshare.configuration_qkvshare import QKVShareConfig
 
     for position_type in position_types:
         for variant in variants:
@@ -164,35 +83,8 @@ def with_position_type(train_args: list[str], position_type: str | None) -> list
 
 def shared_train_args(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
     """The trainer flags every variant gets (everything except --output_dir, --variant and the tokenizer)."""
-    argv = [
-        "--preset",
-        args.preset,
-        "--max_steps",
-        str(args.max_steps),
-        "--per_device_train_batch_size",
-        str(args.per_device_train_batch_size),
-        "--block_size",
-        str(args.block_size),
-        "--learning_rate",
-        str(args.learning_rate),
-        "--warmup_steps",
-        str(args.warmup_steps),
-        "--seed",
-        str(args.seed),
-        "--eval_steps",
-        str(args.eval_steps),
-        "--save_steps",
-        str(args.save_steps),
-        "--max_eval_samples",
-        str(args.max_eval_samples),
-        "--logging_steps",
-        "1",
-        "--report_to",
-        "none",
-        "--sample_max_new_tokens",
-        "0",
-    ]
-    return argv + passthrough
+    shared = [item for name in SHARED_TRAIN_FLAGS for item in (f"--{name}", str(getattr(args, name)))]
+    return [*shared, "--logging_steps", "1", "--report_to", "none", "--sample_max_new_tokens", "0", *passthrough]
 
 
 def check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
@@ -270,8 +162,6 @@ def collect(
     `variants` are the run labels; `position_types` maps a label to its position type (runs of `--position_types`),
     and "vs QKV" (`ppl_change`) is then against the QKV run with the same positions.
     """
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
     position_types = position_types or {}
     rows = []
     for v in variants:
@@ -354,9 +244,14 @@ def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare compare`."""
+    """`qkvshare compare ARGV` (also `python -m qkvshare.analysis.compare`); returns the exit status."""
+    return cli_main(["compare", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(parsed: tuple[argparse.Namespace, list[str]]) -> int:
+    """`qkvshare compare` with its parsed arguments (its own, and the flags passed to the trainer)."""
+    args, passthrough = parsed
     try:
-        args, passthrough = parse_args(argv)
         output_dir = Path(args.output_dir)
         variants = ordered_variants(args.preset, args.variants)
         plan = run_plan(args.preset, variants, args.position_types)

@@ -38,26 +38,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from qkvshare import QKVShareForCausalLM
 from qkvshare.analysis.common import (
-    PRESET_HELP,
     base_and_variants,
-    check_nonempty,
-    check_shape_source,
     markdown_table,
-    parse_overrides,
     variant_config,
 )
-from qkvshare.analysis.conventions import DTYPE_BYTES, DTYPE_NAMES, HelpFormatter, report_bad_input
-
-if TYPE_CHECKING:  # transformers and torch are imported after the command line is checked (fast --help)
-    from qkvshare.configuration_qkvshare import QKVShareConfig
-
-# Cache element types: the `--dtype` names of every command (and their aliases), plus the 8-bit ones.
-BYTES_PER_ELEMENT = {name: DTYPE_BYTES[c] for name, c in DTYPE_NAMES.items() if c != "auto"} | {"fp8": 1, "int8": 1}
-DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192)
-DEFAULT_CONTEXT_LENS = (2048, 32000)
+from qkvshare.configuration_qkvshare import QKVShareConfig
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input
+from qkvshare_cli.costs import BYTES_PER_ELEMENT, DEFAULT_CONTEXT_LENS, DEFAULT_SEQ_LENS
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,10 +102,6 @@ def parameter_counts(config: QKVShareConfig) -> dict[str, int]:
 
 def meta_parameter_counts(config: QKVShareConfig) -> dict[str, int]:
     """Total and attention parameters of a real `QKVShareForCausalLM` built on the meta device (shared tensors once)."""
-    import torch
-
-    from qkvshare import QKVShareForCausalLM
-
     with torch.device("meta"):
         model = QKVShareForCausalLM(config)
     seen: set[int] = set()
@@ -329,53 +319,14 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="qkvshare costs", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
-    )
-    p.add_argument("--preset", help=PRESET_HELP)
-    p.add_argument("--model_dir", help="a QKVShare or Llama-architecture model directory (its config.json)")
-    p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="config field overrides")
-    p.add_argument(
-        "--variants",
-        nargs="*",
-        help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
-        "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+, QV-Ka, QV-Ka-2; g = heads/4). The first one is the reference.",
-    )
-    up_to = "up to the model's max_position_embeddings"
-    seq_default, context_default = " ".join(map(str, DEFAULT_SEQ_LENS)), " ".join(map(str, DEFAULT_CONTEXT_LENS))
-    p.add_argument(
-        "--seq_lens", nargs="*", type=int, help=f"forward lengths for MACs (default: {seq_default}, {up_to})"
-    )
-    p.add_argument("--context_lens", nargs="*", type=int, help=f"cache contexts (default: {context_default}, {up_to})")
-    p.add_argument("--dtypes", nargs="*", default=["fp16"], help=f"cache dtypes ({', '.join(BYTES_PER_ELEMENT)})")
-    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format")
-    p.add_argument("--causal_scores", action="store_true", help="count only the causal half of the T x T products")
-    p.add_argument("--no_meta_check", action="store_true", help="skip building each variant on the meta device")
-    p.add_argument("--output", help="also write the output to this file")
-    return p
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line of `qkvshare costs`, checked as far as it can be without the config (light: no torch, see
-    `qkvshare_cli`); a `ValueError` names the bad option. Override keys, the preset and variants are checked by
-    `main`, which builds the config."""
-    args = build_parser().parse_args(argv)
-    check_shape_source(args.preset, args.model_dir)
-    parse_overrides(args.override, check_keys=False)
-    check_nonempty(args, ("variants", "seq_lens", "context_lens", "dtypes"))
-    if any(t <= 0 for t in (args.seq_lens or []) + (args.context_lens or [])):
-        raise ValueError("--seq_lens and --context_lens must be positive token counts.")
-    unknown = [dt for dt in args.dtypes if dt not in BYTES_PER_ELEMENT]
-    if unknown:
-        raise ValueError(f"--dtypes {', '.join(unknown)}: not known; allowed: {', '.join(BYTES_PER_ELEMENT)}.")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare costs`."""
+    """`qkvshare costs ARGV` (also `python -m qkvshare.analysis.costs`); returns the exit status."""
+    return cli_main(["costs", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """`qkvshare costs` with its parsed arguments; returns the exit status (2 for bad input)."""
     try:
-        args = parse_args(argv)
         base, variants = base_and_variants(args.preset, args.model_dir, args.override, args.variants, plus=True)
     except ValueError as err:
         return report_bad_input("costs", err)

@@ -7,12 +7,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
+from qkvshare_cli.extras import require
+
 
 def pyplot(feature: str, hint: str = "") -> ModuleType:
     """`matplotlib.pyplot` on the Agg backend, or a `MissingExtraError` naming the "plots" extra that ``feature``
     needs (``hint``: a way around, e.g. "or pass --no_plots")."""
-    from qkvshare._extras import require
-
     require("matplotlib", "plots", feature, hint=hint).use("Agg")
     return require("matplotlib.pyplot", "plots", feature, hint=hint)
 
@@ -30,8 +30,8 @@ def line_plot(
 ) -> Path:
     """Save a PNG with one line per series name; ``panels`` draws several side-by-side subplots instead.
 
-    Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed, above the others. ``ylabels`` gives a panel
-    its own y label (by panel title; ``ylabel`` for the others).
+    Series listed in ``dashed`` (references such as LlamaForCausalLM) are drawn dashed, above the others.
+    ``ylabels`` gives a panel its own y label (by panel title; ``ylabel`` for the others).
     """
     plt = pyplot("plots")
 

@@ -5,13 +5,12 @@ finished cell is appended to `results.csv` at once (and its loss curve to a JSON
 sweep loses at most the cells in flight, and a rerun trains only the keys not in the CSV yet (`pending`). A cell
 trains with `train_steps` (warmup then cosine to 0, gradient clipping), whose row ends with `RUN_FIELDS`.
 
-Standard library only at import time (tqdm, torch and the schedule are imported when a sweep runs), so the
-commands' light `parse_args` can import the modules that use it.
+The commands' arguments (one flag per field of `SweepArgs` / `VisionArgs`) are `qkvshare_cli.synthetic` and
+`qkvshare_cli.vision`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -19,10 +18,12 @@ import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from tqdm.auto import tqdm
+
+from qkvshare.train import schedule
 
 # The columns every sweep's row ends with: what `train_steps` measures of a cell's training.
 RUN_FIELDS = ("final_train_loss", "steps", "num_parameters", "train_seconds", "cpu_seconds")
@@ -60,8 +61,6 @@ def run_cells(
     `worker` must be a module-level function (the spawned processes import it).
     Returns the keys trained, in the order they finished.
     """
-    from tqdm.auto import tqdm
-
     trained: list[str] = []
     new_file = not csv_path.exists()
     with csv_path.open("a", newline="") as csv_file, curves_path.open("a") as curves_file:
@@ -94,8 +93,6 @@ def run_cells(
 def get_lr(step: int, total_steps: int, peak: float, warmup_fraction: float) -> float:
     """Linear warmup over `warmup_fraction` of the steps, then cosine to 0: `qkvshare.train.schedule.get_lr`
     (the one home of the schedule) with a 0 floor."""
-    from qkvshare.train import schedule  # lazy: a sweep's parser does not pay for the training stack's imports
-
     warmup = schedule.warmup_steps_for_fraction(warmup_fraction, total_steps)
     return schedule.get_lr(step, peak_lr=peak, warmup_steps=warmup, max_steps=total_steps, min_lr_ratio=0.0)
 
@@ -113,8 +110,6 @@ def train_steps(
     ``recipe.grad_clip``, an optimizer step. ``recipe`` is the cell. Returns the per-step losses and the row's
     `RUN_FIELDS`: the mean loss of the last 10 steps, ``total_steps``, the parameters, and the loop's wall-clock
     seconds and CPU seconds (this process, all its threads: a cost that other load on the machine barely moves)."""
-    import torch
-
     losses: list[float] = []
     start, cpu_start = time.perf_counter(), time.process_time()
     model.train()
@@ -136,37 +131,6 @@ def train_steps(
         "cpu_seconds": round(cpu_seconds, 2),
     }
     return losses, summary
-
-
-def dataclass_parser(
-    args_class: type, prog: str, description: str, lists: dict[str, type] | None = None
-) -> argparse.ArgumentParser:
-    """A parser with one flag per field of the dataclass `args_class`, its help from the field's metadata.
-
-    `plots` becomes `--no_plots`; the fields named in `lists` take one or more values of the given type (a list of
-    strings shows its default in the help); a field whose default is None takes a str or an int, as its annotation
-    says; every other field takes one value of its default's type.
-    """
-    from .conventions import HelpFormatter
-
-    lists = lists or {}
-    defaults = args_class()
-    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
-    for f in dataclasses.fields(args_class):
-        default, help_ = getattr(defaults, f.name), f.metadata["help"]
-        flag = f"--{f.name}"
-        if f.name == "plots":
-            parser.add_argument("--no_plots", dest="plots", action="store_false", help="skip the PNG figures")
-        elif f.name in lists:
-            if lists[f.name] is str and default is not None:
-                help_ = f"{help_} (default: {' '.join(default)})"
-            parser.add_argument(flag, nargs="+", type=lists[f.name], default=default, help=help_)
-        elif default is None:
-            kind = str if f.type == "str | None" else int
-            parser.add_argument(flag, type=kind, default=None, help=help_)
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=help_)
-    return parser
 
 
 @dataclasses.dataclass
@@ -207,7 +171,6 @@ __all__ = [
     "run_cells",
     "get_lr",
     "train_steps",
-    "dataclass_parser",
     "SweepResult",
     "print_sweep_result",
     "mean_std",

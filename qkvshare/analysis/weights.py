@@ -24,13 +24,16 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qkvshare.analysis.conventions import HelpFormatter, report_bad_input
+import torch
+from safetensors import safe_open
+
+from qkvshare.analysis.common import markdown_table
+from qkvshare.configuration_qkvshare import mode_for_projections
 from qkvshare.evaluation.common import read_config_json, weight_files
-
-if TYPE_CHECKING:  # torch and safetensors are imported by the functions that read weights (fast --help)
-    import torch
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
 
@@ -45,8 +48,6 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
     """{layer: {"q"|"k"|"v": weight (out, in)}} with only the projections the checkpoint has."""
-    from safetensors import safe_open
-
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -62,24 +63,14 @@ def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]
     return layers
 
 
-def layer_modes(config: dict[str, Any], layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
-    """Sharing mode per layer: from a QKVShare config, checked against (else inferred from) the tensors present."""
-    from qkvshare.configuration_qkvshare import mode_for_projections
-
+def layer_modes(layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
+    """Sharing mode per layer, inferred from the tensors present (`analyze` checked them against the config)."""
     modes = {}
     for i, projs in layers.items():
         try:
-            inferred = mode_for_projections(f"{name}_proj" for name in projs).name
+            modes[i] = mode_for_projections(f"{name}_proj" for name in projs).name
         except ValueError as err:
             raise ValueError(f"layer {i}: {err}") from None
-        if config.get("model_type") == "qkvshare":
-            per_layer = config.get("layer_projection_sharing")
-            declared = per_layer[i] if per_layer else config.get("projection_sharing", "none")
-            if declared != inferred:
-                raise ValueError(
-                    f"layer {i}: config says projection_sharing={declared!r} but the weights are {inferred!r}."
-                )
-        modes[i] = inferred
     return modes
 
 
@@ -91,8 +82,6 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def effective_rank(w: torch.Tensor) -> float:
     """Roy & Vetterli effective rank: exp(entropy of s / sum(s)) over the singular values s."""
-    import torch
-
     s = torch.linalg.svdvals(w.double())
     p = s / s.sum()
     p = p[p > 0]
@@ -101,8 +90,6 @@ def effective_rank(w: torch.Tensor) -> float:
 
 def energy_rank(w: torch.Tensor, fraction: float = 0.9) -> int:
     """Number of singular values that hold ``fraction`` of the squared Frobenius norm."""
-    import torch
-
     s2 = torch.linalg.svdvals(w.double()) ** 2
     cum = torch.cumsum(s2, 0) / s2.sum()
     return int(torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype)).item()) + 1
@@ -134,8 +121,11 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
             "[G ; V_i] W_i^K, computed from the context and the value), so W_q/W_k/W_v cosines and ranks are not "
             "defined for it; analyze the other variants."
         )
+    from qkvshare.model_dir import check_weights_fit_config
+
+    check_weights_fit_config(model_dir)  # a config.json from another model: every odd tensor named, none read
     layers = load_qkv_weights(model_dir)
-    modes = layer_modes(config, layers)
+    modes = layer_modes(layers)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -169,8 +159,6 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    from qkvshare.analysis.common import markdown_table  # (imports the config module: not at parse time)
-
     headers = [
         "layer",
         "mode",
@@ -207,24 +195,13 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join([title, "", markdown_table(headers, rows)])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="qkvshare analyze", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
-    )
-    p.add_argument("model", help="model directory (QKVShare or Llama-architecture; safetensors weights)")
-    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format")
-    p.add_argument("--output", help="also write the output to this file")
-    return p
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line of `qkvshare analyze` (light: no torch import; see `qkvshare_cli`)."""
-    return build_parser().parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare analyze`."""
-    args = parse_args(argv)
+    """`qkvshare analyze ARGV` (also `python -m qkvshare.analysis.weights`); returns the exit status."""
+    return cli_main(["analyze", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """`qkvshare analyze` with its parsed arguments; returns the exit status (2 for bad input)."""
     try:
         report = analyze(args.model)
     except (ValueError, KeyError) as err:

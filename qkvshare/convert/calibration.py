@@ -6,20 +6,17 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qkvshare.convert.weights import KV_METHODS, attention_state, fit_head_maps, fold_into_o_proj
+import torch
+import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    import torch
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.convert.weights import attention_state, fit_head_maps, fold_into_o_proj
+from qkvshare.modeling_qkvshare import QKVShareAttention
+from qkvshare.train.data import check_data_file, stdlib_corpus
+from qkvshare_cli.convert import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, DEFAULT_RIDGE, KV_METHODS
 
-    from qkvshare import QKVShareConfig, QKVShareForCausalLM
-
-DEFAULT_CALIBRATION_TOKENS = 8192
-DEFAULT_CALIBRATION_BLOCK = 512
-DEFAULT_RIDGE = 1e-4
-CALIBRATIONS = ("sequential", "independent")
-DEFAULT_CALIBRATION = "sequential"  # lower perplexity at 0 steps than "independent" on SmolLM2-135M (README)
 # Least squares of d_h unknowns per output needs many more rows than unknowns: at least this many tokens per d_h.
 MIN_TOKENS_PER_HEAD_DIM = 4
 
@@ -31,8 +28,6 @@ def min_calibration_tokens(config: Any) -> int:
 
 def check_calibration_ids(ids: Any, config: Any) -> None:
     """`ids` must be a (batch, length) LongTensor of valid token ids with enough tokens for the fit."""
-    import torch
-
     if ids is None:
         raise ValueError(
             "method='calibrated' needs calibration text: pass calibration_ids (a (batch, length) LongTensor of token "
@@ -63,13 +58,10 @@ def calibration_texts(calibration_file: str | None, seed: int = 0) -> tuple[list
     `text` column), or by default the training side of the embedded corpus (the Python stdlib sources), shuffled
     with `seed`."""
     if calibration_file is None:
-        from qkvshare.train.data import stdlib_corpus
-
         corpus = stdlib_corpus()
         documents = list(corpus.train)
         random.Random(seed).shuffle(documents)
         return documents, f"training split of the embedded corpus ({corpus.description}), seed {seed}"
-    from qkvshare.train.data import check_data_file
 
     path = Path(calibration_file).expanduser()
     if not path.is_file():
@@ -89,14 +81,14 @@ def calibration_texts(calibration_file: str | None, seed: int = 0) -> tuple[list
 def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_size: int) -> torch.Tensor:
     """Blocks (n, block_size) of the EOS-joined token stream of `documents`, `tokens // block_size` of them (fewer
     when the text is short: `check_calibration_ids` then says so)."""
-    import torch
-
     block_size = min(block_size, tokens)
     wanted = (tokens // block_size) * block_size
     eos = tokenizer.eos_token_id
     stream: list[int] = []
     for text in documents:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        # verbose=False: a document longer than the model's context is expected here (it is cut into blocks).
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        stream += ids + ([eos] if eos is not None else [])
         if len(stream) >= wanted:
             break
     usable = min(len(stream), wanted) // block_size * block_size
@@ -105,8 +97,6 @@ def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_siz
 
 def _causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive causal mask (1, 1, T, T): what eager and sdpa attention both take."""
-    import torch
-
     upper = torch.ones(length, length, dtype=torch.bool).triu(1)
     return torch.zeros(length, length, dtype=dtype).masked_fill(upper, torch.finfo(dtype).min)[None, None]
 
@@ -125,8 +115,6 @@ def _o_proj_input(attention: Any, hidden: torch.Tensor, position_embeddings: Any
 def source_streams(source: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
     """The source's residual stream on `ids` ((L + 1) tensors: each layer's input, then the last layer's output),
     each layer's attention input (its normalised hidden states) and the RoPE cos/sin."""
-    import torch
-
     streams: list[torch.Tensor] = []
     inputs: list[torch.Tensor] = []
     rope: list[Any] = []
@@ -159,7 +147,6 @@ def _relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _attention_module(config: QKVShareConfig, layer_idx: int, state: dict[str, torch.Tensor]) -> Any:
-    from qkvshare.modeling_qkvshare import QKVShareAttention
 
     module = QKVShareAttention(config, layer_idx).float()
     module.load_state_dict(state, strict=True)
@@ -181,9 +168,6 @@ def calibrate(
     the converted model's own (`"sequential"`, layers below already converted). Returns {"converted": [...],
     "drift": [...], "key": [...], "value": [...], "calibrated": [...]} (the last three only with K=V layers;
     None for layers that are not tied)."""
-    import torch
-    import torch.nn.functional as F
-
     config = model.config
     layers = range(config.num_hidden_layers)
     tied_any = any(config.is_kv_tied(i) for i in layers)

@@ -1,99 +1,25 @@
-"""`qkvshare convert` on the command line: parse and check the arguments, then read, convert and save."""
+"""`qkvshare convert` run: read the source and the calibration text, convert, save (the arguments are parsed and
+checked by `qkvshare_cli.convert`)."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-import qkvshare.convert
-from qkvshare.analysis.conventions import HelpFormatter, add_dtype_argument, report_bad_input
-from qkvshare.convert.calibration import (
-    CALIBRATIONS,
-    DEFAULT_CALIBRATION,
-    DEFAULT_CALIBRATION_BLOCK,
-    DEFAULT_CALIBRATION_TOKENS,
-    DEFAULT_RIDGE,
-    calibration_ids,
-    calibration_texts,
-    check_calibration_ids,
-)
-from qkvshare.convert.conversion import (
-    CONVERT_OVERRIDES,
-    DEFAULT_METHOD,
-    RECORD_FILE,
-    ConversionRecord,
-    convert,
-    plan_conversion,
-)
-from qkvshare.convert.io import (
-    check_output_dir,
-    check_source_path,
-    load_source,
-    load_source_tokenizer,
-    read_source_config,
-    save_converted,
-)
-from qkvshare.convert.weights import KV_METHODS, QUERY_METHODS
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse and check `qkvshare convert` arguments (no torch): `ValueError` for a bad value."""
-    from qkvshare.overrides import parse_overrides
-
-    p = argparse.ArgumentParser(
-        prog="qkvshare convert", description=qkvshare.convert.__doc__, formatter_class=HelpFormatter
-    )
-    p.add_argument("source", metavar="SRC", help="Llama-architecture model directory or .gguf file")
-    p.add_argument(
-        "--variant", required=True, help="paper variant: Q-K=V, Q=K-V, Q=K=V, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA, QKV"
-    )
-    p.add_argument("--output_dir", required=True, help="where the converted model directory is written")
-    p.add_argument("--method", choices=KV_METHODS, default=None, help=f"K=V layers (default: {DEFAULT_METHOD})")
-    p.add_argument("--query_method", choices=QUERY_METHODS, default=None, help="Q=K layers (default: key)")
-    p.add_argument(
-        "--kv_tie_point",
-        choices=("pre_rope", "post_rope"),
-        default=None,
-        help="tie point of K=V layers (default: pre_rope for calibrated, else the config default post_rope)",
-    )
-    p.add_argument("--calibration_file", default=None, help=".txt or .jsonl (text column); default: embedded corpus")
-    p.add_argument("--calibration_tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS, help="tokens to calibrate on")
-    p.add_argument("--calibration_block_size", type=int, default=DEFAULT_CALIBRATION_BLOCK, help="tokens per sequence")
-    p.add_argument("--ridge", type=float, default=DEFAULT_RIDGE, help="relative ridge of the calibrated fit")
-    p.add_argument(
-        "--calibration",
-        choices=CALIBRATIONS,
-        default=DEFAULT_CALIBRATION,
-        help="calibrated fit of layer l on the converted model's own hidden states (sequential) or the source's",
-    )
-    p.add_argument("--seed", type=int, default=0, help="order of the embedded corpus' documents")
-    add_dtype_argument(p, "float32", "dtype of the saved weights (conversion runs in float32)")
-    p.add_argument("--override", nargs="*", default=None, help="config fields: " + ", ".join(CONVERT_OVERRIDES))
-    p.add_argument("--overwrite_output_dir", action="store_true", help="replace a previous conversion there")
-    args = p.parse_args(argv)
-    check_source_path(args.source)
-    if args.dtype == "auto":
-        raise ValueError("--dtype auto is not a dtype to save in; use float32, bfloat16 or float16.")
-    for flag in ("calibration_tokens", "calibration_block_size"):
-        if getattr(args, flag) < 2:
-            raise ValueError(f"--{flag} {getattr(args, flag)} must be at least 2.")
-    if not args.ridge >= 0:
-        raise ValueError(f"--ridge {args.ridge} must be >= 0 (a small value such as {DEFAULT_RIDGE}).")
-    if args.calibration_file is not None and not Path(args.calibration_file).expanduser().is_file():
-        raise ValueError(f"--calibration_file {args.calibration_file!r} does not exist; pass a .txt or .jsonl file.")
-    args.overrides = parse_overrides(args.override, "--override")
-    if args.kv_tie_point is not None:
-        args.overrides["kv_tie_point"] = args.kv_tie_point
-    check_output_dir(Path(args.output_dir), args.overwrite_output_dir)
-    return args
+from qkvshare import QKVShareConfig
+from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
+from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
+from qkvshare.convert.io import load_source, load_source_tokenizer, read_source_config, save_converted
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input
+from qkvshare_cli.convert import RECORD_FILE
 
 
 def run(args: argparse.Namespace) -> ConversionRecord:
     """Check everything that needs no weights, read calibration text, load the source, convert, save."""
-    import shutil
-
     source_config = read_source_config(args.source)
     config, method, query_method = plan_conversion(
         source_config, args.variant, args.method, args.query_method, **args.overrides
@@ -133,8 +59,6 @@ def run(args: argparse.Namespace) -> ConversionRecord:
 
 
 def _print_summary(record: ConversionRecord, config: Any, source_config: dict[str, Any], out: Path) -> None:
-    from qkvshare import QKVShareConfig
-
     before = QKVShareConfig.from_llama(source_config).kv_cache_bytes_per_token()
     lines = [
         f"converted {record.source} ({record.source_model_type}, {record.source_key_value_heads} key/value heads) to "
@@ -154,9 +78,14 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare convert`: 0 done, 2 bad input (one paragraph on stderr)."""
+    """`qkvshare convert ARGV` (the same as the console command); returns the exit status."""
+    return cli_main(["convert", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """`qkvshare convert` with its parsed arguments: 0 done, 2 bad input (one paragraph on stderr)."""
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ValueError as err:
         return report_bad_input("convert", err)
     return 0

@@ -5,34 +5,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qkvshare.convert.calibration import (
+import torch
+import transformers
+
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.analysis.common import llama_config_dict
+from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
+from qkvshare.convert.calibration import calibrate, check_calibration_ids
+from qkvshare.convert.weights import build_converted
+from qkvshare.version import __version__
+from qkvshare_cli.convert import (
     CALIBRATIONS,
+    CONVERT_OVERRIDES,
     DEFAULT_CALIBRATION,
+    DEFAULT_METHOD,
     DEFAULT_RIDGE,
-    calibrate,
-    check_calibration_ids,
-)
-from qkvshare.convert.weights import KV_METHODS, QUERY_METHODS, build_converted
-
-if TYPE_CHECKING:
-    import torch
-
-    from qkvshare import QKVShareConfig, QKVShareForCausalLM
-
-DEFAULT_METHOD = "calibrated"  # the lowest perplexity at 0 steps on SmolLM2-135M (README table)
-RECORD_FILE = "conversion.json"
-# Config fields `convert` accepts as overrides: those that change sharing, not the shapes of the copied weights.
-CONVERT_OVERRIDES = (
-    "projection_sharing",
-    "layer_projection_sharing",
-    "num_key_value_heads",
-    "kv_tie_point",
-    "max_position_embeddings",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
+    KV_METHODS,
+    QUERY_METHODS,
 )
 
 
@@ -70,8 +61,6 @@ class ConversionRecord:
 
 def check_architecture(config: dict[str, Any]) -> None:
     """A `ValueError` naming the supported architectures unless `config` (a config.json dict) is one of them."""
-    from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
-
     if config.get("model_type") not in LLAMA_ARCHITECTURES:
         raise ValueError(
             f"the source is model_type={config.get('model_type')!r}, which `qkvshare convert` does not support; "
@@ -88,9 +77,6 @@ def plan_conversion(
 ) -> tuple[QKVShareConfig, str | None, str | None]:
     """The target config and the resolved K=V and Q=K methods, or a `ValueError` saying why the source cannot be
     converted so. `source_config` is a Llama-architecture config object or `config.json` dict."""
-    from qkvshare import QKVShareConfig
-    from qkvshare.analysis.common import llama_config_dict
-
     d = source_config.to_dict() if hasattr(source_config, "to_dict") else dict(source_config)
     check_architecture(d)
     if not hasattr(source_config, "to_dict"):  # a config.json may leave fields to their defaults
@@ -178,10 +164,6 @@ def convert(
     Returns the converted model (float32, eval mode) and its `ConversionRecord`. Raises `ValueError` before any
     weight is copied when the source or the request is not convertible.
     """
-    import transformers
-
-    from qkvshare.version import __version__
-
     started = time.perf_counter()
     if calibration not in CALIBRATIONS:
         raise ValueError(f"calibration={calibration!r} is not a calibration; use one of {', '.join(CALIBRATIONS)}.")

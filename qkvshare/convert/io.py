@@ -2,36 +2,28 @@
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qkvshare.convert.conversion import RECORD_FILE, ConversionRecord, check_architecture
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-if TYPE_CHECKING:
-    import torch
-
-    from qkvshare import QKVShareForCausalLM
-
-
-def check_source_path(source: str) -> Path:
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path
-    what = "is a file but not a .gguf file" if path.is_file() else "does not exist"
-    raise ValueError(
-        f"SRC {source!r} {what}; pass a model directory (config.json and safetensors, e.g. from save_pretrained) or "
-        "a .gguf file."
-    )
+from qkvshare import QKVShareForCausalLM
+from qkvshare.analysis.common import llama_config_dict
+from qkvshare.analysis.conventions import torch_dtype
+from qkvshare.convert.conversion import ConversionRecord, check_architecture
+from qkvshare.evaluation.common import read_config_json, weight_files
+from qkvshare.model_dir import check_weights_fit_config
+from qkvshare.train.tokenizer import TOKENIZER_FILES
+from qkvshare_cli.convert import RECORD_FILE, check_source_path
 
 
 def _require_gguf() -> None:
     """transformers reads GGUF files with the `gguf` package, which no extra of ours installs (one file format)."""
-    import importlib.util
-
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("reading a .gguf file needs the package gguf, which is not installed; pip install gguf.")
 
@@ -42,29 +34,21 @@ def read_source_config(source: str) -> dict[str, Any]:
     naming the file otherwise."""
     path = check_source_path(source)
     if path.is_dir():
-        from qkvshare.analysis.common import llama_config_dict
-        from qkvshare.evaluation.common import read_config_json, weight_files
-
         d = read_config_json(path)
         check_architecture(d)
         config = llama_config_dict(d, str(path / "config.json"))
         weight_files(path)  # none, or a truncated one: said here, not as transformers' OSError after the calibration
         return config
     _require_gguf()
-    from transformers import AutoConfig
-
     return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
 
 
 def load_source_tokenizer(source: str) -> Any:
     """The tokenizer saved with the source (a directory's files, or the one inside a .gguf), or None."""
-    from transformers import AutoTokenizer
-
     path = check_source_path(source)
     if path.is_file():
         _require_gguf()
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    from qkvshare.train.tokenizer import TOKENIZER_FILES
 
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
@@ -77,15 +61,11 @@ def load_source(source: str, dtype: torch.dtype | None = None) -> Any:
     A model loaded from GGUF is de-quantized by transformers but still marked as quantized, which
     `save_pretrained` refuses; it is copied into a plain model of its class, which saves normally.
     """
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
     dtype = dtype or torch.float32
     check_architecture(read_source_config(source))  # before reading any weight
     path = check_source_path(source)
     if path.is_dir():
+        check_weights_fit_config(path, model_class=AutoModelForCausalLM, label=f"SRC {source!r}")
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     plain_config = copy.deepcopy(loaded.config)
@@ -106,25 +86,9 @@ def save_converted(
 ) -> Path:
     """Write a normal model directory: safetensors, config (auto_map), the model code, the tokenizer (when given)
     and `conversion.json`. Returns the directory."""
-    from qkvshare.analysis.conventions import torch_dtype
-
     out = Path(output_dir)
     model.to(torch_dtype(dtype)).save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     (out / RECORD_FILE).write_text(json.dumps(asdict(record), indent=2) + "\n")
     return out
-
-
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ValueError(f"--output_dir {str(out)!r} is a file; choose a directory.")
-    if any(out.iterdir()) and not (overwrite and (out / RECORD_FILE).is_file()):
-        hint = (
-            "; --overwrite_output_dir replaces only a previous conversion (a directory with conversion.json)"
-            if overwrite
-            else ", or pass --overwrite_output_dir to replace a previous conversion"
-        )
-        raise ValueError(f"--output_dir {str(out)!r} is not empty; choose a new directory{hint}.")

@@ -3,21 +3,15 @@ state of each converted layer, and the per-head maps of the calibrated K=V fit f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from qkvshare import QKVShareConfig, QKVShareForCausalLM
-
-KV_METHODS = ("key", "value", "calibrated")
-QUERY_METHODS = ("key", "query")
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
 
 
 def pooling_matrix(num_heads: int, source_kv: int, target_kv: int) -> torch.Tensor:
     """(target_kv, source_kv) weights: new head j = mean over its query heads of their source key/value heads."""
-    import torch
-
     per_target, per_source = num_heads // target_kv, num_heads // source_kv
     pool = torch.zeros(target_kv, source_kv, dtype=torch.float64)
     for h in range(num_heads):
@@ -27,8 +21,6 @@ def pooling_matrix(num_heads: int, source_kv: int, target_kv: int) -> torch.Tens
 
 def _pooled(weight: torch.Tensor, pool: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Pool a k/v projection weight (source_kv*D, hidden) or bias (source_kv*D,) into (target_kv*D, ...)."""
-    import torch
-
     heads = weight.reshape(pool.shape[1], head_dim, *weight.shape[1:])  # (kv_src, D, ...)
     return torch.tensordot(pool.to(weight.dtype), heads, dims=1).reshape(-1, *weight.shape[1:])
 
@@ -46,8 +38,6 @@ def attention_state(
     `method` picks the shared K=V projection (`key`/`calibrated`: W_k, `value`: W_v), `query_method` the Q=K one;
     key/value heads are mean-pooled to the config's count. o_proj is copied (`calibrate` refits it).
     """
-    import torch
-
     pool = pooling_matrix(config.num_attention_heads, source_kv, config.num_key_value_heads)
     has_bias = any(k.endswith(".bias") for k in source)
     if has_bias and not config.attention_bias:
@@ -84,10 +74,6 @@ def build_converted(
     query_method: str | None,
 ) -> QKVShareForCausalLM:
     """A float32 `QKVShareForCausalLM` holding the source's weights, attention converted by `attention_state`."""
-    import torch
-
-    from qkvshare import QKVShareForCausalLM
-
     state, layers = {}, {}
     for key, tensor in source_state.items():
         prefix, sep, rest = key.partition(".self_attn.")
@@ -111,8 +97,6 @@ def fit_head_maps(
     features: torch.Tensor, targets: torch.Tensor, num_heads: int, ridge: float, intercept: bool
 ) -> torch.Tensor:
     """Per head h, M_h = argmin ||F_h M - A_h||^2 + lambda ||M||^2 (float64); (heads, D [+1 intercept row], D)."""
-    import torch
-
     tokens = features.shape[0]
     f = features.double().reshape(tokens, num_heads, -1).transpose(0, 1)  # (H, N, D)
     a = targets.double().reshape(tokens, num_heads, -1).transpose(0, 1)  # (H, N, D)
@@ -126,8 +110,6 @@ def fit_head_maps(
 
 def fold_into_o_proj(o_proj: Any, maps: torch.Tensor) -> None:
     """o_proj block h becomes W_o,h M_h^T; an intercept row c_h adds W_o,h c_h to the bias."""
-    import torch
-
     weight = o_proj.weight.data.double()  # (hidden, H * D)
     heads, head_dim = maps.shape[0], maps.shape[-1]
     w = weight.reshape(weight.shape[0], heads, head_dim)  # (hidden, H, D)

@@ -4,8 +4,7 @@ Used by `qkvshare eval` and `qkvshare perplexity` (whole models) and `qkvshare a
 Every check runs before any weights are read, so a typo in the third of three models, or a truncated download,
 fails in a second with the file named, not after the first model's evaluation, and never as a SafetensorError
 traceback. Importing a `qkvshare` submodule imports `qkvshare`, which registers the QKVShare classes with
-transformers' Auto classes: our checkpoints then load without `trust_remote_code`. torch and transformers are
-imported inside the functions that need them, so parsing a command line stays fast.
+transformers' Auto classes: our checkpoints then load without `trust_remote_code`.
 """
 
 from __future__ import annotations
@@ -15,6 +14,10 @@ import os
 from itertools import chain
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from qkvshare.analysis.conventions import torch_dtype
 
@@ -33,8 +36,6 @@ class NonFiniteResultError(RuntimeError):
 
 def default_device() -> str:
     """`cuda` when a GPU is visible, otherwise `cpu`."""
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -80,8 +81,6 @@ def check_safetensors_file(path: Path) -> None:
     extent is the largest `data_offsets` end; a file shorter than that was cut off (an interrupted download or
     save). `safe_open` then validates the header the way loading will (dtypes, shapes, offsets).
     """
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         raise EvalInputError(f"weights file {path} is missing. {REPAIR}")
     size = path.stat().st_size
@@ -168,10 +167,9 @@ def check_causal_lm(name: str, trust_remote_code: bool = False):
 
     Raises `EvalInputError` for a missing directory, a directory without `config.json`, a damaged config, a hub
     id that cannot be resolved, a config that is not a decoder-only language model (e.g. a BERT or a
-    bidirectional QKVShare encoder), or missing, truncated or damaged weights (see `weight_files`).
+    bidirectional QKVShare encoder), missing, truncated or damaged weights (see `weight_files`), or weights that
+    do not fit the model the config builds (`qkvshare.model_dir.check_weights_fit_config`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -201,6 +199,9 @@ def check_causal_lm(name: str, trust_remote_code: bool = False):
         )
     if path.exists():
         weight_files(path)  # a missing, truncated or damaged weights file: named now, before any model loads
+        from qkvshare.model_dir import check_weights_fit_config
+
+        check_weights_fit_config(path, config, AutoModelForCausalLM, f"model {name!r}", EvalInputError)
     return config
 
 
@@ -210,8 +211,6 @@ def check_finite_weights(model, name: str) -> None:
     A model with such weights can only produce NaN scores (or accuracies of a constant guess), so it is refused
     before any scoring. One pass over the parameters and buffers, a fraction of a forward pass.
     """
-    import torch
-
     bad = []
     for tensor_name, t in chain(model.named_parameters(), model.named_buffers()):
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -230,8 +229,6 @@ def check_finite_weights(model, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     """Load the tokenizer saved with model `name`; a clear error when there is none."""
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
@@ -243,8 +240,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
 def load_causal_lm(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
     """Load model `name` for inference (eval mode) in `dtype` (a `--dtype` name) on `device`."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 

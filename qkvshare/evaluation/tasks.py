@@ -25,7 +25,6 @@ import yaml
 from .common import EvalInputError
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
-DEFAULT_TASKS = ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
 OFFLINE_GROUP = "qkvshare_offline"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from qkvshare import QKVShareForTokenClassification
 from qkvshare.analysis.plotting import pyplot
 
 from .tasks import make_dataset
@@ -24,8 +25,6 @@ def mean_attention_map(
     model_dir: str | Path, task: str, length: int, layer: int, num_sequences: int = 64
 ) -> torch.Tensor:
     """(T, T) attention of one layer of a saved encoder, mean over heads and `num_sequences` test sequences."""
-    from qkvshare import QKVShareForTokenClassification
-
     model = QKVShareForTokenClassification.from_pretrained(str(model_dir), attn_implementation="eager").eval()
     x, _ = make_dataset(task, num_sequences, length, seed=10_007)
     attentions = model(input_ids=x, output_attentions=True).attentions  # per layer: (B, H, T, T)

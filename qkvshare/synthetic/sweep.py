@@ -29,9 +29,9 @@ Design choices
   The QV source's claim (K=V loses least when positions stay out of V) is what `rope` and `alibi` test.
 - `--grid default` (emb 64, 2 layers, 4 heads, length 32, seeds 0-2: 90 cells) is sized for about 15 minutes on
   2 free CPU cores and is the cheapest measured corner of the paper's grid that separates the variants (see the
-  comment on `GRIDS`); `--grid paper` is the paper's full grid (3 x 2 x 2 x 3 x 3 seeds = 108 runs per variant
-  and task, 3240 in all). Any axis can be overridden (`--lengths 16 32`), and the table then covers exactly the
-  cells of the requested grid.
+  comment on `qkvshare_cli.synthetic.GRIDS`, where the arguments are); `--grid paper` is the paper's full grid
+  (3 x 2 x 2 x 3 x 3 seeds = 108 runs per variant and task, 3240 in all). Any axis can be overridden
+  (`--lengths 16 32`), and the table then covers exactly the cells of the requested grid.
 """
 
 from __future__ import annotations
@@ -43,20 +43,27 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+from transformers.utils import logging as hf_logging
+
+from qkvshare import QKVShareConfig, QKVShareForTokenClassification
 from qkvshare.analysis import sweeps
-from qkvshare.analysis.conventions import report_bad_input, slug
 from qkvshare.analysis.sweeps import SweepResult, get_lr
+from qkvshare.configuration_qkvshare import (
+    ARCHITECTURE_STYLES,
+    ATTENTION_MAP_PE_INITS,
+    POSITION_EMBEDDING_TYPES,
+    resolve_variant,
+)
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input, slug
+from qkvshare_cli.synthetic import TASKS, SweepArgs
 
-from .tasks import NUM_SYMBOLS, TASKS, make_dataset
-
-if TYPE_CHECKING:
-    import torch
-
-PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
+from .plots import plot_attention_maps, plot_loss_curves
+from .tasks import NUM_SYMBOLS, make_dataset
 
 # The paper's table (Table 2; docs/research.md, section 4.5): mean token accuracy over its whole grid.
 PAPER_TABLE: dict[str, dict[str, float]] = {
@@ -66,29 +73,6 @@ PAPER_TABLE: dict[str, dict[str, float]] = {
     "Q-K=V": {"reverse": 0.701, "sort": 0.958, "sub": 1.0, "swap": 0.590, "copy": 1.0},
     "Q=K=V": {"reverse": 0.514, "sort": 0.939, "sub": 1.0, "swap": 0.446, "copy": 1.0},
     "(Q=K=V)+": {"reverse": 0.581, "sort": 0.957, "sub": 1.0, "swap": 0.576, "copy": 1.0},
-}
-
-# Grid axes per named grid. "paper": the paper's grid. "default": chosen by measurement (see the measurements in the
-# comment on "default" below) to run in about 15 minutes on 2 CPU cores and still separate the variants.
-GRIDS: dict[str, dict[str, list[int]]] = {
-    "paper": {
-        "embedding_sizes": [32, 64, 256],
-        "layers": [2, 4],
-        "heads": [2, 4],
-        "lengths": [16, 64, 128],
-        "seeds": [0, 1, 2],
-    },
-    # Measured (CPU time per cell, paper recipe, 1 thread): emb 32/T16 ~4 s, emb 64/T16 ~6 s, emb 64/T32 ~14 s.
-    # emb 64/T16 is solved by every variant (all 1.0: no signal); emb 32 breaks Q-K=V as well (V must carry the
-    # absolute position, see the QV paper's remark); emb 64, 4 heads, T32 separates them as the paper does.
-    # 90 cells x ~14 CPU s / 2 workers = ~11 min on 2 free cores, plus start-up, evaluation and figures.
-    "default": {
-        "embedding_sizes": [64],
-        "layers": [2],
-        "heads": [4],
-        "lengths": [32],
-        "seeds": [0, 1, 2],
-    },
 }
 
 CSV_FIELDS = [
@@ -111,60 +95,6 @@ CSV_FIELDS = [
     "sequence_accuracy",
     *sweeps.RUN_FIELDS,
 ]
-
-
-@dataclass
-class SweepArgs:
-    """Arguments of `qkvshare synthetic` (each is also a command-line flag)."""
-
-    # Each field's help is its flag's help text (`parse_args`); the formatter adds the default once.
-    output_dir: str = field(
-        default="outputs/synthetic", metadata={"help": "where results.csv, table.md, the PNGs and the models go"}
-    )
-    grid: str = field(default="default", metadata={"help": "default (about 15 min on 2 cores) or paper (full)"})
-    variants: list[str] = field(
-        default_factory=lambda: list(PAPER_VARIANTS), metadata={"help": 'paper names, e.g. QKV "(Q=K=V)+"'}
-    )
-    tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={"help": "a subset of these five"})
-    embedding_sizes: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
-    layers: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
-    heads: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
-    lengths: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
-    seeds: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})
-    train_size: int = field(default=10_000, metadata={"help": "training sequences (paper: 10k)"})
-    test_size: int = field(default=2_000, metadata={"help": "held-out sequences (paper: 2k)"})
-    epochs: int = field(default=2, metadata={"help": "passes over the training set (paper: 2)"})
-    batch_size: int = field(default=128, metadata={"help": "sequences per step (paper: 128)"})
-    lr: float = field(default=1e-3, metadata={"help": "Adam peak learning rate (paper: 1e-3)"})
-    warmup_fraction: float = field(
-        default=0.05, metadata={"help": "linear warmup share of the steps, then cosine to 0 (paper: 0.05)"}
-    )
-    grad_clip: float = field(default=5.0, metadata={"help": "gradient-norm clip (paper: 5)"})
-    map_pe_init: str = field(
-        default="xavier", metadata={"help": 'init of the "+" map: xavier (the original code\'s), unit_scale or normal'}
-    )
-    position_types: list[str] = field(
-        default_factory=lambda: ["learned"],
-        metadata={"help": "position schemes, each a grid axis: learned (the paper's), rope, alibi, none"},
-    )
-    workers: int = field(default=2, metadata={"help": "parallel processes, one cell each"})
-    threads: int = field(default=1, metadata={"help": "torch threads per worker"})
-    attn_implementation: str = field(
-        default="sdpa", metadata={"help": "training backend (sdpa or eager); the attention figure always uses eager"}
-    )
-    map_layer: int = field(
-        default=0, metadata={"help": "the layer whose attention the figure shows (0: where routing by position shows)"}
-    )
-    plots: bool = field(default=True, metadata={"help": "write the PNGs (needs matplotlib)"})
-
-    def axes(self) -> dict[str, list[int]]:
-        if self.grid not in GRIDS:
-            raise ValueError(f"grid={self.grid!r} is not a known grid; allowed: {', '.join(GRIDS)}.")
-        axes = dict(GRIDS[self.grid])
-        for name in axes:
-            if getattr(self, name) is not None:
-                axes[name] = list(getattr(self, name))
-        return axes
 
 
 @dataclass(frozen=True)
@@ -212,8 +142,6 @@ class Cell:
 
 def validate(args: SweepArgs) -> list[Cell]:
     """Check every argument before any training and return the cells of the sweep (a clear ValueError if bad)."""
-    from qkvshare.configuration_qkvshare import ATTENTION_MAP_PE_INITS, POSITION_EMBEDDING_TYPES, resolve_variant
-
     axes = args.axes()
     for task in args.tasks:
         if task not in TASKS:
@@ -260,9 +188,6 @@ def validate(args: SweepArgs) -> list[Cell]:
 
 def build_model(cell: Cell, attn_implementation: str | None = None):
     """The synthetic encoder of a cell: a bidirectional QKVShareForTokenClassification with 10 labels."""
-    from qkvshare import QKVShareConfig, QKVShareForTokenClassification
-    from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
-
     e = cell.embedding_size
     shape = dict(hidden_size=e, intermediate_size=4 * e, num_hidden_layers=cell.layers, num_attention_heads=cell.heads)
     # a bidirectional classifier of every position over the task's symbols, with no special tokens
@@ -283,8 +208,6 @@ def build_model(cell: Cell, attn_implementation: str | None = None):
 
 def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
     """Train and evaluate one cell. Returns its CSV row and its per-step training losses."""
-    import torch
-
     torch.manual_seed(cell.seed)
     model = build_model(cell)
     # Disjoint seeds for train and test data; the shuffling generator is seeded too, so a cell is reproducible.
@@ -314,8 +237,6 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
 
 def evaluate(model, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
     """Token accuracy and whole-sequence accuracy of `model` on (x, y)."""
-    import torch
-
     model.eval()
     with torch.no_grad():
         correct = [
@@ -327,9 +248,6 @@ def evaluate(model, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[
 
 
 def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
-    import torch
-    from transformers.utils import logging as hf_logging
-
     cell, save_dir, threads = job
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()  # one tqdm bar for the sweep, not one per save/load
@@ -369,10 +287,6 @@ def run_sweep(args: SweepArgs) -> SweepResult:
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
     if args.plots:
-        from transformers.utils import logging as hf_logging
-
-        from .plots import plot_attention_maps, plot_loss_curves
-
         hf_logging.disable_progress_bar()
 
         labels = list(dict.fromkeys(cell.label for cell in cells))
@@ -472,21 +386,13 @@ def results_table(
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> SweepArgs:
-    """The command line as `SweepArgs`: one flag per field, its help from the field's metadata."""
-    grid_axes = dict.fromkeys(GRIDS["default"], int)
-    parser = sweeps.dataclass_parser(
-        SweepArgs,
-        "qkvshare synthetic",
-        "Train the paper's synthetic encoder tasks over a grid of attention variants (resumable).",
-        lists={"variants": str, "tasks": str, "position_types": str} | grid_axes,
-    )
-    return SweepArgs(**vars(parser.parse_args(argv)))
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare synthetic`."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    """`qkvshare synthetic ARGV` (the same as the console command); returns the exit status."""
+    return cli_main(["synthetic", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: SweepArgs) -> int:
+    """`qkvshare synthetic` with its parsed arguments; returns the exit status (2 for bad input)."""
     try:
         cells = validate(args)
     except ValueError as error:
@@ -499,14 +405,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = [
-    "SweepArgs",
-    "Cell",
-    "GRIDS",
-    "PAPER_TABLE",
-    "PAPER_VARIANTS",
-    "get_lr",
-    "run_sweep",
-    "train_cell",
-    "main",
-]
+__all__ = ["SweepArgs", "Cell", "PAPER_TABLE", "get_lr", "run_sweep", "train_cell", "main", "execute"]

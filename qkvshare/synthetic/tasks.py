@@ -8,13 +8,11 @@ classification with 10 classes and the metric is token accuracy. Data are genera
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
 
-if TYPE_CHECKING:  # torch is imported where tensors are made, so parsing `qkvshare synthetic` stays fast
-    import torch
+from qkvshare_cli.synthetic import TASKS
 
 NUM_SYMBOLS = 10
-TASKS = ("reverse", "sort", "sub", "swap", "copy")  # the paper's table order
 
 
 def task_targets(task: str, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +41,6 @@ def make_dataset(task: str, num_sequences: int, length: int, seed: int) -> tuple
         raise ValueError(
             f"need length >= 2 and num_sequences >= 1; got length={length}, num_sequences={num_sequences}."
         )
-    import torch
 
     generator = torch.Generator().manual_seed(seed)
     x = torch.randint(0, NUM_SYMBOLS, (num_sequences, length), generator=generator)

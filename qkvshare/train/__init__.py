@@ -1,8 +1,9 @@
 """Pretraining of QKVShare models with Accelerate (`qkvshare train`, `accelerate launch -m qkvshare.train`).
 
-Modules: `args` (flags and YAML recipes), `data` (corpora and packing), `tokenizer` (BPE training),
-`schedule` (warmup + cosine LR), `checkpoint` (atomic save, verification, output-dir lock), `ranks` (decisions
-all ranks agree on), `model` (config, Llama twin and MFU arithmetic), `pretrain` (the entry point and loop).
+The flags and YAML recipes are `qkvshare_cli.train` (parsed without torch). Modules: `data` (corpora and
+packing), `tokenizer` (BPE training), `schedule` (warmup + cosine LR), `checkpoint` (atomic save, verification,
+output-dir lock), `ranks` (decisions all ranks agree on), `model` (config, Llama twin and MFU arithmetic, the
+model flags' checks that need transformers), `pretrain` (the entry point and loop).
 Nothing here is imported by the model files.
 """
 

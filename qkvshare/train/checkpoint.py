@@ -31,7 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .args import TrainingSetupError
+from qkvshare_cli.train import TrainingSetupError
+
 from .ranks import first_message
 
 STATE_FILE = "trainer_state.json"
@@ -316,32 +317,57 @@ def check_compatible(state: dict[str, Any], current: dict[str, Any], path: Path)
 # --------------------------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------------------------
-def describe_write_error(err: BaseException) -> str:
-    """A failed write in words: 'no space left on device' for a full disk whatever library raised it."""
+NO_SPACE = "no space left on device"
+# torch's zip writer loses the errno of a failed write: "[enforce fail at inline_container.cc:672] . unexpected pos
+# 121024 vs 120912" (a short write), or "PytorchStreamWriter failed writing file ...: file write failed".
+_TORCH_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+_FULL_DISK_BYTES = 1 << 20  # free bytes below which a short write means the disk filled up
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes (for this user) on the filesystem of `path`, or of its nearest existing parent."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def describe_write_error(err: BaseException, folder: str | os.PathLike | None = None) -> str:
+    """A failed write in words: `NO_SPACE` for a full disk whatever library raised it.
+
+    torch's short-write error carries no errno; it counts as a full disk when `folder` (where the write went) has
+    under 1 MiB free at the moment of the failure.
+    """
     text = str(err)
     if isinstance(err, OSError) and err.errno == errno.ENOSPC or "No space left on device" in text:
-        return "no space left on device"
+        return NO_SPACE
     if isinstance(err, OSError) and err.errno == errno.EDQUOT or "Disk quota exceeded" in text:
         return "disk quota exceeded"
+    if folder is not None and any(s in text for s in _TORCH_SHORT_WRITE) and free_bytes(folder) < _FULL_DISK_BYTES:
+        return NO_SPACE
     if isinstance(err, OSError) and err.strerror:
         return f"{err.strerror}" + (f" ({err.filename})" if err.filename else "")
     return f"{type(err).__name__}: {text}"
 
 
-def _attempt(action: Any) -> str | None:
-    """Run `action()`; a failed write comes back as its description instead of an exception."""
+def _attempt(action: Any, folder: Path) -> str | None:
+    """Run `action()`, which writes under `folder`; a failed write comes back as its description, not an exception."""
     from safetensors import SafetensorError
 
     try:
         action()
     except (OSError, RuntimeError, SafetensorError) as err:  # torch.save and safetensors wrap OS errors
-        return describe_write_error(err)
+        return describe_write_error(err, folder)
     return None
 
 
 def _manifest(folder: Path) -> dict[str, int]:
     """Every file under `folder` (relative POSIX path -> size in bytes)."""
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(_manifest(folder).values())
 
 
 def _finish(tmp: Path, final: Path, state: dict[str, Any], tokenizer: Any) -> None:
@@ -375,17 +401,23 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crash mid-save
         tmp.mkdir(parents=True)
 
-    failure = first_message(accelerator, _attempt(fresh_tmp) if accelerator.is_main_process else None)
+    failure = first_message(accelerator, _attempt(fresh_tmp, root) if accelerator.is_main_process else None)
     if failure is None:
-        failure = first_message(accelerator, _attempt(lambda: accelerator.save_state(str(tmp))))
+        failure = first_message(accelerator, _attempt(lambda: accelerator.save_state(str(tmp)), tmp))
     if failure is None:
-        done = _attempt(lambda: _finish(tmp, final, state, tokenizer)) if accelerator.is_main_process else None
+        done = _attempt(lambda: _finish(tmp, final, state, tokenizer), tmp) if accelerator.is_main_process else None
         failure = first_message(accelerator, done)
     if failure is not None:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = [p.name for p in list_checkpoints(output_dir) if p != final]
-        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        previous = [p for p in list_checkpoints(output_dir) if p != final]
+        kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
+        if failure == NO_SPACE:
+            size = f", and {previous[-1].name} took {_folder_bytes(previous[-1]):,} bytes" if previous else ""
+            failure = (
+                f"the disk is full ({NO_SPACE}; {free_bytes(root):,} bytes free after removing the partial "
+                f"checkpoint-{step}{size})"
+            )
         raise CheckpointWriteError(
             f"could not write checkpoint-{step} under {root}: {failure}; {kept}. Free space (or fix the cause) and "
             "rerun the same command with --resume_from_checkpoint latest."

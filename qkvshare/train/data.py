@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .args import DataArguments, TrainingSetupError
+from qkvshare_cli.train import DataArguments, TrainingSetupError
 
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -143,7 +143,7 @@ def _load_named_dataset(data: DataArguments, streaming: bool) -> Any:
         for path in sorted(Path(name).rglob("*")):
             hidden = any(part.startswith(".") for part in path.relative_to(name).parts)
             if path.suffix.lower() in LOCAL_BUILDERS and not hidden:
-                check_data_file(path, "--dataset_name", data.text_column)
+                check_data_file(path, "--dataset_name", data.text_column, require_text=False)  # one file of many
     try:
         if not is_saved_dataset(name):
             return datasets.load_dataset(name, data.dataset_config_name, streaming=streaming)
@@ -228,7 +228,11 @@ _JSON_ROW = 'one JSON object per line, such as {"text": "..."}'
 
 
 def check_data_file(
-    path: str | Path, flag: str, text_column: str | None = "text", error: type[ValueError] = TrainingSetupError
+    path: str | Path,
+    flag: str,
+    text_column: str | None = "text",
+    error: type[ValueError] = TrainingSetupError,
+    require_text: bool = True,
 ) -> None:
     """Check a local data file before `datasets` reads it, so a bad file fails with its name and place, not deep
     inside Arrow. Raises `error` (with `flag`, the file, the line or byte offset, and how to fix it) for:
@@ -236,14 +240,17 @@ def check_data_file(
     - text (`.txt`, `.text`, `.csv`, `.json`, `.jsonl`) that is not UTF-8, or holds NUL bytes (binary data);
     - a JSON-lines line that is not a JSON object, or whose `text_column` is neither a string nor null, or lacks
       `text_column` while other lines have it; a whole-document `.json` file that does not parse;
-    - a `.parquet` file without the Parquet magic bytes, or whose `text_column` is missing or not a string column.
+    - a `.parquet` file without the Parquet magic bytes, or whose `text_column` is missing or not a string column;
+    - with `require_text` (the file is a whole split, not one file of a data folder): a text or JSON-lines file
+      with no text at all (empty, only whitespace, or no line with a non-empty `text_column`).
     """
     path = Path(path)
     where, suffix = f"{flag} {str(path)!r}", path.suffix.lower()
+    has_text = True  # whole-document JSON and Parquet files: judged after loading, by the caller
     if suffix == ".parquet":
         _check_parquet(path, where, text_column, error)
     elif suffix == ".jsonl" or (suffix == ".json" and _first_line_is_object(path, where, error)):
-        _check_json_lines(path, where, text_column, error)
+        has_text = _check_json_lines(path, where, text_column, error)
     elif suffix == ".json":
         try:
             json.loads("".join(line for _, line in _utf8_lines(path, where, error)))
@@ -253,8 +260,12 @@ def check_data_file(
                 f"write the file as JSON lines: {_JSON_ROW}."
             ) from None
     else:
-        for _ in _utf8_lines(path, where, error):
-            pass
+        has_text = False
+        for _, line in _utf8_lines(path, where, error):  # every line: each is checked for NUL and UTF-8
+            has_text = has_text or bool(line.strip())
+    if require_text and not has_text:
+        what = "no line with a non-empty " + repr(text_column) if suffix in (".json", ".jsonl") else "only whitespace"
+        raise error(f"{where} holds no text (the file is empty or has {what}); point it at a file with documents.")
 
 
 def _utf8_lines(path: Path, where: str, error: type[ValueError]) -> Iterator[tuple[int, str]]:
@@ -289,8 +300,10 @@ def _first_line_is_object(path: Path, where: str, error: type[ValueError]) -> bo
         return False
 
 
-def _check_json_lines(path: Path, where: str, column: str | None, error: type[ValueError]) -> None:
-    missing, present = None, False
+def _check_json_lines(path: Path, where: str, column: str | None, error: type[ValueError]) -> bool:
+    """Check every line (see `check_data_file`); False when the file holds no text: no row, or rows whose `column`
+    is blank or null. Rows without `column` at all count as text here: the caller names the missing column."""
+    missing, present, has_text = None, False, False
     for number, line in _utf8_lines(path, where, error):
         if not line.strip():
             continue
@@ -304,6 +317,7 @@ def _check_json_lines(path: Path, where: str, column: str | None, error: type[Va
         if not isinstance(row, dict):
             raise error(f"{where} line {number} is a JSON {type(row).__name__}, not an object; write {_JSON_ROW}.")
         if column is None:
+            has_text = True
             continue
         if column not in row:
             missing = missing or number
@@ -314,11 +328,13 @@ def _check_json_lines(path: Path, where: str, column: str | None, error: type[Va
             )
         else:
             present = True
+            has_text = has_text or bool(row[column] and row[column].strip())
     if missing and present:
         raise error(
             f"{where} line {missing} has no {column!r} key while other lines have one; give every line its text "
             "(or remove that line)."
         )
+    return has_text or bool(missing)
 
 
 def _check_parquet(path: Path, where: str, column: str | None, error: type[ValueError]) -> None:

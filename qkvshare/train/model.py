@@ -15,13 +15,38 @@ from typing import Any
 
 import torch
 from transformers import LlamaConfig
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from qkvshare import QKVShareConfig
-
-from .args import TrainingSetupError
+from qkvshare_cli.train import TrainingSetupError, config_overrides
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets), matched against torch.cuda.get_device_name().
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def parse_config_overrides(text: str | None) -> dict[str, Any]:
+    """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`.
+
+    The syntax is `qkvshare_cli.overrides.parse_overrides` (shared by every command); keys must be config fields.
+    """
+    overrides = config_overrides(text)
+    try:
+        QKVShareConfig.check_field_names(overrides, "--config_overrides")
+    except ValueError as err:
+        raise TrainingSetupError(str(err)) from None
+    return overrides
+
+
+def check_flash_attention(name: str | None) -> None:
+    """A flash-attention `--attn_implementation` needs its package (`qkvshare_cli.train.check_args` checked the
+    name); a `TrainingSetupError` otherwise."""
+    flash = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
+    if name in flash and not flash[name]():
+        package = "flash-attn" if name == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
+        raise TrainingSetupError(
+            f"--attn_implementation {name} needs the package {package} (and a CUDA GPU), which is not installed; "
+            "install it or use sdpa (the default)."
+        )
 
 
 def build_config(preset: str, variant: str | None, overrides: dict[str, Any]) -> QKVShareConfig:

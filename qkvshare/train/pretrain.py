@@ -1,15 +1,15 @@
 """`qkvshare train`: pretrain a QKVShare model with Accelerate, from one CPU core to many GPUs.
 
     qkvshare train configs/cpu-small.yaml                       # the README's 10-minute CPU run
-    accelerate launch -m qkvshare.train configs/paper-300m/Q-K=V.yaml
-    accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare.train configs/paper-1.2b/QKV.yaml
+    accelerate launch -m qkvshare.train configs/paper-300m.yaml --variant Q-K=V
+    accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare.train configs/paper-1.2b.yaml --variant QKV
 
 Design notes
 - One file, small named steps. `setup` runs every check before any heavy work and before anything in
-  --output_dir is deleted: `make_accelerator`, `claim_output_dir` (lock, resume checkpoint), `build_model_config`,
-  `load_or_train_tokenizer`, `prepare_data`, `build_model`, `restore_checkpoint`, and only then
-  `replace_previous_run` (--overwrite_output_dir). Bad input raises `TrainingSetupError`; `main` prints it as
-  one paragraph and returns 2.
+  --output_dir is deleted: `build_model_config` (before anything is written), `make_accelerator`,
+  `claim_output_dir` (lock, resume checkpoint), `load_or_train_tokenizer`, `prepare_data`, `build_model`,
+  `restore_checkpoint`, and only then `replace_previous_run` (--overwrite_output_dir). Bad input raises `TrainingSetupError`; `execute` prints it as
+  one paragraph and returns 2. The arguments are `qkvshare_cli.train`'s (parsed and checked without torch).
 - Ranks agree on every decision (`ranks.py`): the main process takes the lock and trains the BPE tokenizer and
   hands the result to all; a failed checkpoint write or a stop signal seen by one rank stops all of them at the
   same step.
@@ -43,11 +43,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import HfApi
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.model_dir import check_weights_fit_config
+from qkvshare_cli.train import Arguments, TrainingSetupError, check_args, parse_args
 
-from .args import Arguments, TrainingSetupError, check_args, parse_args, parse_config_overrides
 from .checkpoint import (
     RUN_MARKERS,
     CheckpointWriteError,
@@ -72,7 +75,15 @@ from .data import (
     token_fingerprint,
     tokenize_documents,
 )
-from .model import build_config, count_parameters, fit_vocab, flops_per_token, peak_flops_per_device
+from .model import (
+    build_config,
+    check_flash_attention,
+    count_parameters,
+    fit_vocab,
+    flops_per_token,
+    parse_config_overrides,
+    peak_flops_per_device,
+)
 from .ranks import first_message, max_over_ranks, on_main
 from .schedule import get_lr
 from .tokenizer import load_tokenizer, padded_vocab_size, train_bpe_tokenizer
@@ -294,6 +305,8 @@ def build_model_config(args: Arguments) -> tuple[QKVShareConfig, dict[str, Any],
     overrides = parse_config_overrides(m.config_overrides)
     if m.init_from is not None:  # the directory's config as saved (check_args refused --variant/--config_overrides)
         config = QKVShareConfig.from_pretrained(m.init_from)
+        label = f"--init_from {m.init_from!r}"
+        check_weights_fit_config(m.init_from, config, QKVShareForCausalLM, label, TrainingSetupError)
     else:
         config = build_config(m.preset, m.variant, overrides)
     block_size = d.block_size or min(1024, config.max_position_embeddings)
@@ -407,8 +420,6 @@ def prepare_data(
 def build_model(args: Arguments, config: QKVShareConfig) -> QKVShareForCausalLM:
     """A freshly initialised model (seeded), or --init_from's weights, with the requested attention backend and
     checkpointing."""
-    from transformers import set_seed
-
     m, t = args.model, args.train
     set_seed(t.seed)
     if (
@@ -454,12 +465,13 @@ def replace_previous_run(accelerator: Any, args: Arguments, resume_path: Path | 
 def setup(args: Arguments) -> Run:
     """Check the arguments, load data and tokenizer, build model and optimizer, restore a checkpoint, and only
     then clear a previous run (--overwrite_output_dir). The returned run holds the output directory's lock."""
-    check_args(args)
+    check_args(args)  # again: arguments built in code have not been through `parse_args`
+    check_flash_attention(args.model.attn_implementation)
+    config, overrides, block_size = build_model_config(args)  # a bad variant or override: nothing written yet
     accelerator = make_accelerator(args)
     lock, resume_path, saved = claim_output_dir(accelerator, args)
     try:
         m, d, t = args.model, args.data, args.train
-        config, overrides, block_size = build_model_config(args)
         if d.streaming and not m.tokenizer_name and resume_path is None:
             raise TrainingSetupError(
                 "a streamed dataset needs --tokenizer_name (e.g. gpt2): BPE training reads local data."
@@ -773,7 +785,7 @@ def save_final_model(run: Run, result: dict[str, Any]) -> None:
             }
             (out / "training_args.json").write_text(json.dumps(resolved, indent=2))
         except (OSError, RuntimeError) as err:
-            failure = describe_write_error(err)
+            failure = describe_write_error(err, out)
     failure = first_message(acc, failure)
     if failure is not None:
         found = list_checkpoints(out)
@@ -788,8 +800,6 @@ def save_final_model(run: Run, result: dict[str, Any]) -> None:
         (out / "final_metrics.json").write_text(json.dumps(result, indent=2))
         _print_summary(result, out)
         if t.push_to_hub:
-            from huggingface_hub import HfApi
-
             api = HfApi()
             api.create_repo(t.hub_model_id, private=t.hub_private_repo, exist_ok=True)
             api.upload_folder(
@@ -800,8 +810,6 @@ def save_final_model(run: Run, result: dict[str, Any]) -> None:
 
 def generate_sample(model_dir: Path, prompt: str, max_new_tokens: int, seed: int, device: Any) -> str:
     """Load the saved directory as a user would and sample a continuation (top-k 40, temperature 0.8)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
@@ -865,12 +873,21 @@ def _is_main_rank() -> bool:
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int, float, Any], None] | None = None) -> int:
-    """Entry point of `qkvshare train` and `accelerate launch -m qkvshare.train`. Returns the exit status:
-    0 done, 1 stopped (non-finite loss, a failed write), 2 bad input, 128 + signal after SIGTERM or Ctrl-C."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of `accelerate launch -m qkvshare.train` (and of callers in Python): parse argv, then `execute`.
+    Returns the exit status as `execute` does (2 for a bad command line)."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except TrainingSetupError as err:
+        return _report(2, f"qkvshare train: error: {err}")
+    return execute(args, on_step=on_step)
+
+
+def execute(args: Arguments, on_step: Callable[[int, float, Any], None] | None = None) -> int:
+    """`qkvshare train` with its parsed arguments. Returns the exit status: 0 done, 1 stopped (non-finite loss, a
+    failed write), 2 bad input, 128 + signal after SIGTERM or Ctrl-C. `on_step`: see `train`."""
     status, message = 0, None
     try:
-        train(parse_args(argv), on_step=on_step)
+        train(args, on_step=on_step)
     except TrainingSetupError as err:
         status, message = 2, f"qkvshare train: error: {err}"
     except (TrainingDiverged, CheckpointWriteError) as err:
@@ -878,10 +895,15 @@ def main(argv: list[str] | None = None, on_step: Callable[[int, float, Any], Non
     except TrainingInterrupted as err:
         status = 128 + err.signum
         message = f"qkvshare train: {err} Resume with the same command and --resume_from_checkpoint latest: " + (
-            resume_command(argv)
+            resume_command(args.command_line)
         )
     except KeyboardInterrupt:
         status, message = 128 + signal.SIGINT, "qkvshare train: interrupted; nothing saved since the last checkpoint."
+    return _report(status, message)
+
+
+def _report(status: int, message: str | None) -> int:
+    """Print `message` once (from the main rank) and return `status`."""
     if message is not None and _is_main_rank():
         print(message, file=sys.stderr, flush=True)
     return status
@@ -889,6 +911,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int, float, Any], Non
 
 __all__ = [
     "main",
+    "execute",
     "train",
     "setup",
     "evaluate",

@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from .args import TrainingSetupError
+from qkvshare_cli.train import TrainingSetupError
 
 EOS_TOKEN = "<|endoftext|>"
 # Byte-level BPE starts from 256 byte symbols plus the special token; leave room for some merges.
@@ -89,8 +90,6 @@ def train_bpe_tokenizer(
 
 def _check_tokenizer_name(name: str) -> None:
     """Fail fast, naming `name`, when it is a missing path, a file, or a folder without tokenizer files."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     path = Path(name).expanduser()
     if path.is_file():
         raise TrainingSetupError(

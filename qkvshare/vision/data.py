@@ -19,10 +19,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
+from transformers import ViTImageProcessor
+
+from qkvshare_cli.extras import require
 
 TEST_SPLITS = ("test", "validation", "valid", "val")
 LABEL_COLUMNS = ("label", "labels", "fine_label", "coarse_label")
@@ -60,8 +63,6 @@ class ImageSplits:
 
 def image_processor(image_size: int):
     """The preprocessing of every image: transformers' ViTImageProcessor (saved with each model)."""
-    from transformers import ViTImageProcessor
-
     return ViTImageProcessor(
         do_resize=True, size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3
     )
@@ -76,8 +77,6 @@ def default_patch_size(image_size: int) -> int:
 
 def _split(n: int, fraction: float = TEST_FRACTION, seed: int = 0) -> tuple[list[int], list[int]]:
     """A fixed (train, test) split of range(n): the test part is `fraction` of a seeded permutation."""
-    import torch
-
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     cut = math.ceil(n * fraction)
     return order[cut:], order[:cut]
@@ -89,11 +88,7 @@ def _subset(indices: list[int], limit: int | None) -> list[int]:
 
 def load_digits(max_train: int | None, max_test: int | None) -> ImageSplits:
     """scikit-learn's digits (grey 0-16 -> 8-bit RGB images)."""
-    import numpy as np
-    import torch
     from PIL import Image
-
-    from qkvshare._extras import require
 
     datasets = require("sklearn.datasets", "vision", "qkvshare vision (the digits dataset)")
     digits = datasets.load_digits()
@@ -132,10 +127,6 @@ def load_hf(
     max_test: int | None,
 ) -> ImageSplits:
     """A Hugging Face image-classification dataset (hub name, `save_to_disk` directory or `imagefolder`)."""
-    import torch
-
-    from qkvshare._extras import require
-
     datasets = require("datasets", "vision", f"qkvshare vision --dataset {name}")
     source = f"--dataset {name}"
     try:

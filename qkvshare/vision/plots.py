@@ -11,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from qkvshare import QKVShareForImageClassification
 from qkvshare.analysis.plotting import pyplot
 
 
@@ -42,8 +44,6 @@ def plot_accuracy(rows: list[dict], variants: list[str], task: str, path: Path) 
 @torch.no_grad()
 def patch_attention(model_dir: str | Path, pixel_values: torch.Tensor) -> torch.Tensor:
     """(B, grid, grid) last-layer attention over the patches (of the class token, or received on average)."""
-    from qkvshare import QKVShareForImageClassification
-
     model = QKVShareForImageClassification.from_pretrained(str(model_dir), attn_implementation="eager").eval()
     attention = model(pixel_values=pixel_values, output_attentions=True).attentions[-1].mean(dim=1)  # (B, T, T)
     if model.config.pooling == "cls":
@@ -58,8 +58,6 @@ def plot_attention_maps(
     cells: list, models_dir: Path, dir_name: Callable, data_path: str, num_images: int, path: Path
 ) -> str | None:
     """Rows: test images; columns: the image, then one attention map per variant whose model exists."""
-    from safetensors.torch import load_file
-
     found = [c for c in cells if (Path(models_dir) / dir_name(c)).exists()]
     if not found or num_images < 1:
         return None

@@ -32,20 +32,25 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.utils import logging as hf_logging
+
+from qkvshare import QKVShareConfig, QKVShareForImageClassification
 from qkvshare.analysis import sweeps
-from qkvshare.analysis.conventions import report_bad_input, slug
+from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, resolve_variant
+from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input, slug
+from qkvshare_cli.extras import check_extra
+from qkvshare_cli.vision import PAPER_VARIANTS, VisionArgs, check_args, check_choice
 
-if TYPE_CHECKING:
-    import torch
+from .data import default_patch_size, image_processor, load_images
+from .plots import plot_accuracy, plot_attention_maps
+from .sets import TEST_SETS_SEED, SetAnomalyModel, extract_features, make_sets
 
-TASKS = ("classify", "sets")
-PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
-# The paper's variants and the head-sharing ones (4 heads: GQA-2, MQA and their K=V forms).
-DEFAULT_VARIANTS = (*PAPER_VARIANTS, "GQA-2", "MQA", "Q-GQA-2", "Q-MQA")
 # What our sources give of the paper's vision numbers (PAPER.md, "Vision and sets"; section 4.2).
 PAPER_NOTES = {
     "classify": "Paper (section 4.2; ViT-B/16-sized, from scratch): on MNIST, FashionMNIST, CIFAR-10/100 and Tiny "
@@ -72,66 +77,6 @@ CSV_FIELDS = [
     "accuracy",
     *sweeps.RUN_FIELDS,
 ]
-
-
-@dataclass
-class VisionArgs:
-    """Arguments of `qkvshare vision` (each is also a command-line flag)."""
-
-    output_dir: str = field(default="outputs/vision", metadata={"help": "where results.csv, table.md, PNGs go"})
-    task: str = field(default="classify", metadata={"help": "classify (images) or sets (the set anomaly task)"})
-    dataset: str = field(
-        default="digits",
-        metadata={
-            "help": "digits (scikit-learn's, offline), a Hugging Face dataset name (mnist, cifar10, ...), a "
-            "save_to_disk directory, or imagefolder with --data_dir"
-        },
-    )
-    data_dir: str | None = field(default=None, metadata={"help": "the folder of --dataset imagefolder"})
-    image_column: str | None = field(default=None, metadata={"help": "image column (default: detected)"})
-    label_column: str | None = field(default=None, metadata={"help": "label column (default: detected)"})
-    image_size: int | None = field(default=None, metadata={"help": "resize images to this side (default: native)"})
-    patch_size: int | None = field(
-        default=None, metadata={"help": "ViT patch side (default: the smallest >= 2 giving at most 8x8 patches)"}
-    )
-    max_train: int | None = field(default=None, metadata={"help": "use at most this many training images"})
-    max_test: int | None = field(default=None, metadata={"help": "use at most this many test images"})
-    variants: list[str] = field(
-        default_factory=lambda: list(DEFAULT_VARIANTS), metadata={"help": 'paper names, e.g. QKV "(Q=K=V)+"'}
-    )
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "one run per seed and variant"})
-    hidden_size: int = field(default=64, metadata={"help": "model width"})
-    layers: int = field(default=2, metadata={"help": "encoder blocks"})
-    heads: int = field(default=4, metadata={"help": "attention heads"})
-    pooling: str = field(default="cls", metadata={"help": "classify: cls (class token) or mean (patch mean)"})
-    patch_position_embedding_type: str = field(
-        default="learned", metadata={"help": "classify: learned (1D table) or sincos2d (fixed 2D)"}
-    )
-    backbone: str = field(
-        default="pixels",
-        metadata={"help": "sets: frozen feature extractor, pixels (fixed random projection) or an AutoModel name"},
-    )
-    feature_dim: int = field(default=64, metadata={"help": "sets: size of the pixels' random projection"})
-    epochs: int = field(default=20, metadata={"help": "passes over the training images (sets: each image once odd)"})
-    batch_size: int = field(default=64, metadata={"help": "images (or sets) per step"})
-    lr: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate"})
-    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay"})
-    warmup_fraction: float = field(default=0.05, metadata={"help": "linear warmup share of the steps, then cosine"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
-    workers: int = field(default=2, metadata={"help": "parallel processes, one cell each"})
-    threads: int = field(default=1, metadata={"help": "torch threads per worker"})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "training backend: sdpa or eager"})
-    map_images: int = field(default=4, metadata={"help": "classify: test images in attention_maps.png"})
-    plots: bool = field(default=True, metadata={"help": "write the PNGs (needs matplotlib)"})
-
-    def data_id(self) -> str:
-        """What the prepared data depend on (part of every cell's key)."""
-        parts = [self.dataset if self.dataset != "imagefolder" else f"imagefolder:{self.data_dir}"]
-        parts += [f"columns:{self.image_column},{self.label_column}"] if self.image_column or self.label_column else []
-        parts += [f"px{self.image_size}" if self.image_size else "native"]
-        parts += [f"n{self.max_train}/{self.max_test}"] if self.max_train or self.max_test else []
-        parts += [f"{self.backbone}-f{self.feature_dim}" if self.backbone == "pixels" else self.backbone]
-        return "|".join(parts[:-1] if self.task == "classify" else parts)
 
 
 @dataclass(frozen=True)
@@ -169,66 +114,28 @@ class Cell:
         return f"{self.task}|{self.variant}|s{self.seed}|{self.data_id}|{model}|{recipe}"
 
 
-def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"--{flag} {value!r} is not supported; choose one of {', '.join(allowed)}.")
-
-
 def validate(args: VisionArgs) -> None:
     """Check every argument before any data is loaded or trained (a ValueError naming the bad one).
 
-    `check_args` (light: what `parse_args` answers without torch), then the checks that need the config module.
+    `qkvshare_cli.vision.check_args` (what the command line answers without torch), then the checks that need the
+    config module.
     """
-    from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, resolve_variant
-
     check_args(args)
-    _choice("pooling", args.pooling, IMAGE_POOLINGS)
-    _choice("patch_position_embedding_type", args.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
+    check_choice("pooling", args.pooling, IMAGE_POOLINGS)
+    check_choice("patch_position_embedding_type", args.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
     shape = {"num_attention_heads": args.heads, "hidden_size": args.hidden_size}
     for variant in args.variants:
         resolve_variant(variant, shape)  # a ValueError naming the variant
 
 
-def check_args(args: VisionArgs) -> None:
-    """The checks of `validate` that need only the standard library."""
-    _choice("task", args.task, TASKS)
-    _choice("attn_implementation", args.attn_implementation, ("sdpa", "eager"))
-    if not args.variants or not args.seeds:
-        raise ValueError("--variants and --seeds need at least one value each.")
-    positive = ("hidden_size", "layers", "heads", "feature_dim", "epochs", "batch_size", "workers", "threads")
-    for name in positive + ("image_size", "patch_size", "max_train", "max_test"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name} {value} must be a positive integer.")
-    if args.hidden_size % args.heads:
-        raise ValueError(f"--hidden_size {args.hidden_size} is not divisible by --heads {args.heads}.")
-    if args.image_size and args.patch_size and args.image_size % args.patch_size:
-        raise ValueError(f"--image_size {args.image_size} is not a multiple of --patch_size {args.patch_size}.")
-    if not 0 <= args.warmup_fraction < 1 or args.lr <= 0 or args.grad_clip <= 0 or args.weight_decay < 0:
-        raise ValueError("need 0 <= --warmup_fraction < 1, --lr > 0, --grad_clip > 0 and --weight_decay >= 0.")
-    if args.dataset == "imagefolder" and not (args.data_dir and Path(args.data_dir).is_dir()):
-        raise ValueError(f"--dataset imagefolder needs --data_dir, an existing folder; got {args.data_dir!r}.")
-    if args.data_dir and args.dataset != "imagefolder":
-        raise ValueError("--data_dir is the folder of --dataset imagefolder; pass --dataset imagefolder with it.")
-    if args.task == "classify" and args.backbone != "pixels":
-        raise ValueError("--backbone is the frozen feature extractor of --task sets; classify trains from pixels.")
-
-
 # ----- data: prepared once per data id, read by every cell -----
 def prepare_data(args: VisionArgs, out: Path) -> tuple[str, int | None]:
     """Write the task's tensors to `out/data/<data id>.safetensors` unless there; returns (path, patch size)."""
-    from safetensors.torch import load_file, save_file
-
     path = out / "data" / f"{slug(args.data_id())}.safetensors"
     if path.exists():
         tensors = load_file(str(path))
         image_size = tensors["train_x"].shape[-1] if args.task == "classify" else None
     else:
-        import torch
-
-        from .data import load_images
-        from .sets import TEST_SETS_SEED, extract_features, make_sets
-
         splits = load_images(
             args.dataset, args.data_dir, args.image_column, args.label_column, args.max_train, args.max_test
         )
@@ -251,7 +158,6 @@ def prepare_data(args: VisionArgs, out: Path) -> tuple[str, int | None]:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
     if args.task == "sets":
         return str(path), None
-    from .data import default_patch_size
 
     patch = args.patch_size or default_patch_size(image_size)
     if image_size % patch:
@@ -268,9 +174,6 @@ def make_cells(args: VisionArgs, data_path: str, patch_size: int | None) -> list
 # ----- models -----
 def build_config(cell: Cell, num_labels: int, image_size: int | None = None, attn_implementation: str | None = None):
     """The config of a cell: `vit-small` resized (classify), or the same blocks without positions (sets)."""
-    from qkvshare import QKVShareConfig
-    from qkvshare.configuration_qkvshare import resolve_variant
-
     shape = dict(
         hidden_size=cell.hidden_size,
         intermediate_size=4 * cell.hidden_size,
@@ -291,10 +194,7 @@ def build_model(cell: Cell, data: dict[str, torch.Tensor]):
     """A fresh model for a cell (seeded by the caller)."""
     num_labels = int(data["num_labels"])
     if cell.task == "classify":
-        from qkvshare import QKVShareForImageClassification
-
         return QKVShareForImageClassification(build_config(cell, num_labels, data["train_x"].shape[-1]))
-    from .sets import SetAnomalyModel
 
     return SetAnomalyModel(build_config(cell, num_labels), data["train_x"].shape[-1])
 
@@ -302,10 +202,6 @@ def build_model(cell: Cell, data: dict[str, torch.Tensor]):
 # ----- one cell -----
 def batches(cell: Cell, data: dict[str, torch.Tensor], generator: torch.Generator):
     """Training batches (inputs, labels) of one epoch: shuffled images, or freshly drawn sets."""
-    import torch
-
-    from .sets import make_sets
-
     if cell.task == "classify":
         order = torch.randperm(len(data["train_y"]), generator=generator)
         for begin in range(0, len(order), cell.batch_size):
@@ -329,8 +225,6 @@ def loss_and_logits(cell: Cell, model, inputs: torch.Tensor, labels: torch.Tenso
 
 def evaluate(cell: Cell, model, data: dict[str, torch.Tensor]) -> float:
     """Test accuracy: images classified right, or sets whose odd item gets the highest logit."""
-    import torch
-
     if cell.task == "classify":
         inputs, labels = data["test_x"], data["test_y"]
     else:
@@ -346,9 +240,6 @@ def evaluate(cell: Cell, model, data: dict[str, torch.Tensor]) -> float:
 
 def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
     """Train and evaluate one cell; returns its CSV row and its per-step training losses."""
-    import torch
-    from safetensors.torch import load_file
-
     data = load_file(cell.data_path)
     torch.manual_seed(cell.seed)
     model = build_model(cell, data)
@@ -361,8 +252,6 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
     )
     accuracy = evaluate(cell, model, data)
     if save_dir is not None and cell.task == "classify":
-        from .data import image_processor
-
         model.save_pretrained(save_dir)  # safetensors
         image_processor(data["train_x"].shape[-1]).save_pretrained(save_dir)
     row = {
@@ -383,9 +272,6 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
 
 
 def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
-    import torch
-    from transformers.utils import logging as hf_logging
-
     cell, save_dir, threads = job
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
@@ -403,8 +289,6 @@ def run_vision(args: VisionArgs) -> sweeps.SweepResult:
     start = time.perf_counter()
     validate(args)
     if args.plots:
-        from qkvshare._extras import check_extra
-
         check_extra("plots", "qkvshare vision's figures", hint="or pass --no_plots")
     out = Path(args.output_dir)
     data_path, patch_size = prepare_data(args, out)  # before `out` exists: a dataset that fails to load leaves nothing
@@ -427,10 +311,6 @@ def run_vision(args: VisionArgs) -> sweeps.SweepResult:
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
     if args.plots:
-        from transformers.utils import logging as hf_logging
-
-        from .plots import plot_accuracy, plot_attention_maps
-
         hf_logging.disable_progress_bar()  # one bar for the run, not one per model loaded for the maps
 
         files["accuracy_png"] = plot_accuracy(rows, args.variants, args.task, out / "accuracy.png")
@@ -471,23 +351,14 @@ def results_table(rows: list[dict], args: VisionArgs) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> VisionArgs:
-    """The command line as `VisionArgs` (one flag per field), checked by `check_args` (a ValueError if bad)."""
-    parser = sweeps.dataclass_parser(
-        VisionArgs,
-        "qkvshare vision",
-        "Train ViT variants on images (or the set anomaly task) over variants x seeds (resumable).",
-        lists={"variants": str, "seeds": int},
-    )
-    args = VisionArgs(**vars(parser.parse_args(argv)))
-    check_args(args)
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `qkvshare vision`."""
+    """`qkvshare vision ARGV` (the same as the console command); returns the exit status."""
+    return cli_main(["vision", *(sys.argv[1:] if argv is None else argv)])
+
+
+def execute(args: VisionArgs) -> int:
+    """`qkvshare vision` with its parsed arguments; returns the exit status (2 for bad input)."""
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
         validate(args)
     except ValueError as error:
         return report_bad_input("vision", error)
@@ -503,4 +374,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["VisionArgs", "Cell", "TASKS", "DEFAULT_VARIANTS", "PAPER_VARIANTS", "run_vision", "train_cell", "main"]
+__all__ = ["VisionArgs", "Cell", "run_vision", "train_cell", "main", "execute"]

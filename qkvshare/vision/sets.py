@@ -17,15 +17,14 @@ at the odd one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
+from transformers import AutoImageProcessor, AutoModel
 
+from qkvshare.configuration_qkvshare import QKVShareConfig
 from qkvshare.modeling_qkvshare import QKVShareModel
 
-if TYPE_CHECKING:
-    from qkvshare.configuration_qkvshare import QKVShareConfig
+from .data import image_processor
 
 SET_SIZE = 10
 PIXELS = "pixels"  # the default feature extractor: pixels through a fixed random projection
@@ -91,12 +90,9 @@ def extract_features(
 ) -> torch.Tensor:
     """(N, F) frozen features of PIL images: `backbone` = "pixels" (the default) or an `AutoModel` name/path."""
     if backbone == PIXELS:
-        from .data import image_processor
-
         pixels = image_processor(image_size)(images, return_tensors="pt")["pixel_values"].flatten(1)
         projection = torch.randn(pixels.shape[1], feature_dim, generator=torch.Generator().manual_seed(0))
         return pixels @ projection / pixels.shape[1] ** 0.5  # a fixed Gaussian random projection (seed 0)
-    from transformers import AutoImageProcessor, AutoModel
 
     processor = AutoImageProcessor.from_pretrained(backbone)
     model = AutoModel.from_pretrained(backbone).eval()

@@ -7,13 +7,14 @@ need nothing else. Training, evaluation, plots and the wandb tracker are extras 
 that the two agree and that every third-party import of the package is declared).
 
 Where it is used
-- The `qkvshare` command checks a command's extras before importing it (`qkvshare_cli`): a missing package is
-  reported at once, with the `pip install` line, exit status 2.
+- The `qkvshare` command checks a command's extras before importing it (`qkvshare_cli.main`): a missing package
+  is reported at once, with the `pip install` line, exit status 2.
 - Library code that imports an optional package itself calls `require` at the import, or `check_extra` before
   long work starts (e.g. plots that would only be drawn at the end of a run):
   `plt = require("matplotlib.pyplot", "plots", "qkvshare bench's plots")`.
 
-This module imports only the standard library, so the command line loads it without importing torch.
+This module imports only the standard library (it lives in `qkvshare_cli`, outside the `qkvshare` package), so
+the command line loads it without importing torch.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ own mutable buffers; the ONNX model takes the cache tensors as inputs and return
 the file size, the cache bytes per token the program holds (against the config's theory) and the total bytes of
 its cache buffers, then generates greedy tokens with the written program and with the model and compares them.
 
-This module parses and checks the command line with the standard library only (qkvshare_cli's protocol): bad
-input exits with status 2 and one message before torch is imported.
+The model directory must hold a QKVShare model with softmax attention. Bad input (a flag, the directory, a cache
+longer than a learned position table) exits with status 2 and one message before the model is loaded.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qkvshare.analysis.conventions import HelpFormatter
-from qkvshare.evaluation.common import read_config_json
+from .conventions import HelpFormatter
 
 FORMATS = {"executorch": ".pte", "onnx": ".onnx"}  # --format: file suffix of the default --output
 DEFAULT_MAX_CACHE_LEN = 1024  # at most; never beyond the model's max_position_embeddings
@@ -50,36 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line, checked against the model's config.json (a `ValueError` naming the bad input)."""
+    """The command line, checked as far as it goes without reading the model (a `ValueError` naming the bad input).
+    `--max_cache_len` and `--output` left out stay None: their defaults depend on the model directory."""
     args = build_parser().parse_args(argv)
     if args.batch_size < 1 or args.check_tokens < 0:
         raise ValueError(
             f"--batch_size {args.batch_size} / --check_tokens {args.check_tokens}: need batch_size >= 1 and "
             "check_tokens >= 0."
         )
-    config = read_config_json(args.model_dir)  # a ValueError naming the directory when it is not a model
-    if config.get("model_type") != "qkvshare":
-        raise ValueError(
-            f"{args.model_dir} holds a {config.get('model_type')!r} model, not a QKVShare one (model_type "
-            "'qkvshare'); pass a directory written by QKVShareForCausalLM.save_pretrained or `qkvshare train`."
-        )
-    limit = int(config.get("max_position_embeddings") or DEFAULT_MAX_CACHE_LEN)
-    if args.max_cache_len is None:
-        args.max_cache_len = min(limit, DEFAULT_MAX_CACHE_LEN)
-    if args.max_cache_len < 1:
+    if args.max_cache_len is not None and args.max_cache_len < 1:
         raise ValueError(f"--max_cache_len {args.max_cache_len}: must be a positive number of token slots.")
-    if config.get("position_embedding_type") == "learned" and args.max_cache_len > limit:
-        raise ValueError(
-            f"--max_cache_len {args.max_cache_len} is beyond max_position_embeddings={limit} of this model's learned "
-            f"position table; use --max_cache_len {limit} or less."
-        )
-    if config.get("attention_kernel") == "linear":
-        raise ValueError(
-            f"{args.model_dir} uses attention_kernel='linear' (a constant-size state, no static cache); qkvshare "
-            "export supports softmax-attention models."
-        )
-    if args.output is None:
-        args.output = str(Path(args.model_dir) / f"model{FORMATS[args.format]}")
-    if not Path(args.output).resolve().parent.is_dir():
+    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
         raise ValueError(f"--output {args.output}: its directory does not exist; create it first.")
     return args

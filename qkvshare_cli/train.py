@@ -1,20 +1,28 @@
-"""Command-line and YAML arguments of `qkvshare train`, as typed dataclasses.
+"""Command-line and YAML arguments of `qkvshare train`, as typed dataclasses (standard library and PyYAML only).
 
 Design notes
 - Flag names follow transformers' `run_clm.py` / `TrainingArguments` wherever one exists (`--output_dir`,
   `--per_device_train_batch_size`, `--block_size`, `--config_overrides`, `--save_total_limit`, ...), so the
-  command reads like any Hugging Face training script. QKVShare adds `--preset` and `--variant`.
+  command reads like any Hugging Face training script; the flags are built from the dataclasses the way
+  transformers' `HfArgumentParser` builds them (`--bf16 [BOOL]`, `--output-dir` for `--output_dir`). QKVShare adds
+  `--preset` and `--variant`.
 - A YAML file can hold any of the flags (`qkvshare train recipe.yaml --max_steps 10`): its values become the
-  parser's defaults, so flags given on the command line win. Unknown YAML keys are an error, not ignored.
-- `check_args` validates everything that needs no data or model, so bad input fails in milliseconds.
+  parser's defaults, so flags given on the command line win. Unknown YAML keys are an error, not ignored. A recipe
+  for several variants writes `{variant}` in its `output_dir` (`outputs/paper-300m-{variant}`): `parse_args`
+  replaces it with `--variant` as given, so each variant trains into its own directory.
+- `check_args` validates everything that needs neither data, model, torch nor transformers, so bad input fails in
+  milliseconds; `parse_args` runs it. The trainer (`qkvshare.train.pretrain.setup`) runs it again for arguments
+  built in code, with the checks that need transformers (config field names, flash-attention availability).
 - Every parse error (an unknown flag, with the closest known one; a bad value; broken YAML, with its line) is a
   `TrainingSetupError`, which `qkvshare train` prints as one paragraph with exit status 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -23,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import HfArgumentParser
 
-from qkvshare.analysis.conventions import HelpFormatter
+from .conventions import HelpFormatter, add_dataclass_arguments
+from .extras import extra_providing, install_command
+from .overrides import format_overrides, parse_overrides
 
 
 class TrainingSetupError(ValueError):
@@ -44,47 +53,43 @@ TRACKER_PACKAGES = {
     "swanlab": "swanlab",
     "aim": "aim",
 }
-# --attn_implementation names that need no optional package (flash_attention_2/3 need flash-attn)
+# --attn_implementation names that need no optional package
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
+# ... and those that need flash-attn (and a CUDA GPU): the trainer checks that it is there
+FLASH_ATTENTION_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+VARIANT_PLACEHOLDER = "{variant}"  # in --output_dir: replaced by --variant
+
+
+def flag(default: Any, help: str) -> Any:
+    """A field of the argument dataclasses: its default and its `--help` text, in `metadata["help"]` where
+    transformers' `HfArgumentParser` reads it too."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ModelArguments:
     """Which model to build."""
 
-    preset: str = field(
-        default="tiny", metadata={"help": "model preset: tiny, small, paper-300m, paper-1.2b, llama-300m, llama-1.2b"}
+    preset: str = flag("tiny", "model preset: tiny, small, paper-300m, paper-1.2b, llama-300m, llama-1.2b")
+    variant: str | None = flag(
+        None, "paper variant: QKV, Q=K-V, Q-K=V (QV), Q=K=V, (Q=K-V)+, (Q=K=V)+, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA"
     )
-    variant: str | None = field(
-        default=None,
-        metadata={
-            "help": "paper variant: QKV, Q=K-V, Q-K=V (QV), Q=K=V, (Q=K-V)+, (Q=K=V)+, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA"
-        },
+    config_overrides: str | None = flag(
+        None, "config field overrides, run_clm style: 'hidden_size=128,num_hidden_layers=2' (YAML: a mapping)"
     )
-    config_overrides: str | None = field(
-        default=None,
-        metadata={
-            "help": "config field overrides, run_clm style: 'hidden_size=128,num_hidden_layers=2' (YAML: a mapping)"
-        },
+    tokenizer_name: str | None = flag(
+        None, "HF tokenizer name or path; default: train a byte-level BPE on the training data"
     )
-    tokenizer_name: str | None = field(
-        default=None,
-        metadata={"help": "HF tokenizer name or path; default: train a byte-level BPE on the training data"},
+    init_from: str | None = flag(
+        None,
+        "continue from a QKVShare model directory (e.g. from `qkvshare convert`): its config, weights and "
+        "tokenizer; --preset, --variant and --config_overrides do not apply",
     )
-    init_from: str | None = field(
-        default=None,
-        metadata={
-            "help": "continue from a QKVShare model directory (e.g. from `qkvshare convert`): its config, weights and "
-            "tokenizer; --preset, --variant and --config_overrides do not apply"
-        },
+    tokenizer_vocab_size: int | None = flag(
+        None, "vocab size of the trained BPE (default: the preset's vocab size, at least 320)"
     )
-    tokenizer_vocab_size: int | None = field(
-        default=None,
-        metadata={"help": "vocab size of the trained BPE (default: the preset's vocab size, at least 320)"},
-    )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "sdpa (default), eager, flex_attention, or flash_attention_2/3 (with flash-attn installed)"},
+    attn_implementation: str | None = flag(
+        None, "sdpa (default), eager, flex_attention, or flash_attention_2/3 (with flash-attn installed)"
     )
 
 
@@ -92,79 +97,67 @@ class ModelArguments:
 class DataArguments:
     """Where the text comes from and how it is cut into blocks."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "HF dataset name; default (with no --train_file): the Python stdlib sources"}
+    dataset_name: str | None = flag(None, "HF dataset name; default (with no --train_file): the Python stdlib sources")
+    dataset_config_name: str | None = flag(None, "HF dataset config name")
+    train_file: str | None = flag(None, "local .txt, .jsonl/.json or .parquet training file")
+    validation_file: str | None = flag(None, "local validation file (same formats)")
+    text_column: str = flag("text", "column that holds the documents")
+    streaming: bool = flag(False, "stream the HF dataset (for SlimPajama, FineWeb-Edu)")
+    validation_split_percentage: int = flag(
+        5, "percent of documents held out for validation when there is no validation split"
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "HF dataset config name"})
-    train_file: str | None = field(
-        default=None, metadata={"help": "local .txt, .jsonl/.json or .parquet training file"}
+    streaming_validation_documents: int = flag(
+        1000, "documents held out for validation when streaming without a validation split"
     )
-    validation_file: str | None = field(default=None, metadata={"help": "local validation file (same formats)"})
-    text_column: str = field(default="text", metadata={"help": "column that holds the documents"})
-    streaming: bool = field(default=False, metadata={"help": "stream the HF dataset (for SlimPajama, FineWeb-Edu)"})
-    validation_split_percentage: int = field(
-        default=5, metadata={"help": "percent of documents held out for validation when there is no validation split"}
-    )
-    streaming_validation_documents: int = field(
-        default=1000, metadata={"help": "documents held out for validation when streaming without a validation split"}
-    )
-    block_size: int | None = field(
-        default=None, metadata={"help": "tokens per training block (default: min(1024, max_position_embeddings))"}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training blocks"})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many validation blocks"})
+    block_size: int | None = flag(None, "tokens per training block (default: min(1024, max_position_embeddings))")
+    max_train_samples: int | None = flag(None, "use at most this many training blocks")
+    max_eval_samples: int | None = flag(None, "use at most this many validation blocks")
 
 
 @dataclass
 class TrainArguments:
     """The optimisation loop, logging and checkpoints (names from `TrainingArguments`)."""
 
-    output_dir: str | None = field(default=None, metadata={"help": "where the model, checkpoints and logs go"})
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "delete the run already in --output_dir (once the new run's inputs are checked)"},
+    output_dir: str | None = flag(
+        None, f"where the model, checkpoints and logs go; {VARIANT_PLACEHOLDER} is replaced by --variant"
     )
-    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "blocks per device per micro-step"})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "blocks per device in validation"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
-    learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decays to this fraction of the peak LR"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only by default)"})
-    decay_norms_biases_embeddings: bool = field(
-        default=False, metadata={"help": "also apply weight decay to norms, biases and embeddings"}
+    overwrite_output_dir: bool = flag(
+        False, "delete the run already in --output_dir (once the new run's inputs are checked)"
     )
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 turns it off)"})
-    seed: int = field(default=42, metadata={"help": "seed of init, data order and sampling"})
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision"})
-    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (with loss scaling)"})
-    use_cpu: bool = field(default=False, metadata={"help": "train on CPU even if a GPU is present (gloo for 2+ ranks)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    logging_steps: int = field(default=10, metadata={"help": "log loss, lr, tokens/s and MFU every N steps"})
-    eval_steps: int = field(default=100, metadata={"help": "validation loss/perplexity every N steps (and at the end)"})
-    save_steps: int = field(default=500, metadata={"help": "checkpoint every N steps (0: never)"})
-    save_total_limit: int | None = field(default=2, metadata={"help": "keep at most N checkpoints (None: all)"})
-    resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "checkpoint directory, or 'latest' (newest under output_dir/checkpoints)"}
+    max_steps: int = flag(100, "optimizer steps")
+    per_device_train_batch_size: int = flag(8, "blocks per device per micro-step")
+    per_device_eval_batch_size: int = flag(8, "blocks per device in validation")
+    gradient_accumulation_steps: int = flag(1, "micro-steps per optimizer step")
+    learning_rate: float = flag(3e-4, "peak learning rate")
+    warmup_steps: int = flag(0, "linear warmup steps")
+    min_lr_ratio: float = flag(0.1, "cosine decays to this fraction of the peak LR")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices only by default)")
+    decay_norms_biases_embeddings: bool = flag(False, "also apply weight decay to norms, biases and embeddings")
+    adam_beta1: float = flag(0.9, "AdamW beta1")
+    adam_beta2: float = flag(0.95, "AdamW beta2")
+    adam_epsilon: float = flag(1e-8, "AdamW epsilon")
+    max_grad_norm: float = flag(1.0, "gradient clipping (0 turns it off)")
+    seed: int = flag(42, "seed of init, data order and sampling")
+    bf16: bool = flag(False, "bf16 mixed precision")
+    fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")
+    use_cpu: bool = flag(False, "train on CPU even if a GPU is present (gloo for 2+ ranks)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward")
+    logging_steps: int = flag(10, "log loss, lr, tokens/s and MFU every N steps")
+    eval_steps: int = flag(100, "validation loss/perplexity every N steps (and at the end)")
+    save_steps: int = flag(500, "checkpoint every N steps (0: never)")
+    save_total_limit: int | None = flag(2, "keep at most N checkpoints (None: all)")
+    resume_from_checkpoint: str | None = flag(
+        None, "checkpoint directory, or 'latest' (newest under output_dir/checkpoints)"
     )
-    report_to: str = field(
-        default="tensorboard",
-        metadata={"help": "trackers, comma separated: " + ", ".join(TRACKER_PACKAGES) + ", or none"},
-    )
-    run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
-    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
-    peak_tflops: float | None = field(
-        default=None, metadata={"help": "peak TFLOP/s of one device for MFU (default: known GPUs; CPU: no MFU)"}
-    )
-    sample_prompt: str = field(default="def ", metadata={"help": "prompt of the sample generated at the end"})
-    sample_max_new_tokens: int = field(default=64, metadata={"help": "tokens of the final sample (0: none)"})
-    push_to_hub: bool = field(default=False, metadata={"help": "upload the final model directory"})
-    hub_model_id: str | None = field(default=None, metadata={"help": "repo id for --push_to_hub"})
-    hub_private_repo: bool = field(default=False, metadata={"help": "create the hub repo as private"})
+    report_to: str = flag("tensorboard", "trackers, comma separated: " + ", ".join(TRACKER_PACKAGES) + ", or none")
+    run_name: str | None = flag(None, "tracker run name")
+    disable_tqdm: bool = flag(False, "no progress bar")
+    peak_tflops: float | None = flag(None, "peak TFLOP/s of one device for MFU (default: known GPUs; CPU: no MFU)")
+    sample_prompt: str = flag("def ", "prompt of the sample generated at the end")
+    sample_max_new_tokens: int = flag(64, "tokens of the final sample (0: none)")
+    push_to_hub: bool = flag(False, "upload the final model directory")
+    hub_model_id: str | None = flag(None, "repo id for --push_to_hub")
+    hub_private_repo: bool = flag(False, "create the hub repo as private")
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
@@ -177,6 +170,7 @@ class Arguments:
     model: ModelArguments
     data: DataArguments
     train: TrainArguments
+    command_line: list[str] = field(default_factory=list)  # what `parse_args` read (repeated by the resume hint)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat dict of every flag (what `training_args.json` holds)."""
@@ -225,15 +219,13 @@ def load_yaml(path: str) -> dict[str, Any]:
             f"recipe {path!r} has unknown keys {unknown}{hints}; the keys are the flags of `qkvshare train --help`."
         )
     if isinstance(values.get("config_overrides"), dict):
-        from qkvshare.overrides import format_overrides
-
         values["config_overrides"] = format_overrides(values["config_overrides"])
     return values
 
 
-class _ArgumentParser(HfArgumentParser):
-    """`HfArgumentParser` whose errors are `TrainingSetupError`s (one paragraph, exit status 2, no usage dump);
-    `recipe` names the YAML file that set the defaults, so a bad value from it is traced to it."""
+class _ArgumentParser(argparse.ArgumentParser):
+    """A parser whose errors are `TrainingSetupError`s (one paragraph, exit status 2, no usage dump); `recipe`
+    names the YAML file that set the defaults, so a bad value from it is traced to it."""
 
     recipe: str | None = None
 
@@ -243,22 +235,23 @@ class _ArgumentParser(HfArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> Arguments:
-    """Parse `[recipe.yaml] [--flag value ...]`: flags override the recipe. Raises `TrainingSetupError` for
-    an unknown flag (naming the closest known one), a value of the wrong type, or a broken recipe."""
-    argv = list(argv or [])
+    """Parse `[recipe.yaml] [--flag value ...]`: flags override the recipe; then `check_args`. Raises
+    `TrainingSetupError` for an unknown flag (naming the closest known one), a value of the wrong type or out of
+    range, or a broken recipe."""
+    command_line = list(argv or [])
+    argv = list(command_line)
     parser = _ArgumentParser(
-        ARGUMENT_CLASSES,
         prog="qkvshare train",
         description="Pretrain a QKVShare model.",
         allow_abbrev=False,
         formatter_class=HelpFormatter,  # each default shown once
     )
+    for cls in ARGUMENT_CLASSES:
+        add_dataclass_arguments(parser, cls, dash_aliases=True)
     if argv and not argv[0].startswith("-"):
         parser.recipe = argv.pop(0)
         parser.set_defaults(**load_yaml(parser.recipe))
-    model, data, train, rest = parser.parse_args_into_dataclasses(
-        args=argv, look_for_args_file=False, return_remaining_strings=True
-    )
+    namespace, rest = parser.parse_known_args(argv)
     if rest:
         flag = next((item for item in rest if item.startswith("-")), None)
         if flag is None:
@@ -270,27 +263,41 @@ def parse_args(argv: list[str] | None = None) -> Arguments:
         raise TrainingSetupError(
             f"unknown flag {flag!r}{_closest(flag.partition('=')[0], flags)}; `qkvshare train --help` lists the flags."
         )
-    return Arguments(model, data, train)
+    model, data, train = (
+        cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}) for cls in ARGUMENT_CLASSES
+    )
+    train.output_dir = _fill_variant(train.output_dir, model.variant, parser.recipe)
+    args = Arguments(model, data, train, command_line)
+    check_args(args)
+    return args
 
 
-def parse_config_overrides(text: str | None) -> dict[str, Any]:
-    """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`.
+def _fill_variant(output_dir: str | None, variant: str | None, recipe: str | None) -> str | None:
+    """`output_dir` with `{variant}` replaced by the variant name as given (`outputs/paper-300m-Q-K=V`)."""
+    if output_dir is None or VARIANT_PLACEHOLDER not in output_dir:
+        return output_dir
+    if not variant:
+        source = f"the recipe {recipe!r}" if recipe else "--output_dir"
+        raise TrainingSetupError(
+            f"{source} names the run directory {output_dir!r} after the variant, but no --variant is given; pass "
+            "one, e.g. --variant Q-K=V (`qkvshare train --help` lists the variants)."
+        )
+    return output_dir.replace(VARIANT_PLACEHOLDER, variant)
 
-    The syntax is `qkvshare.overrides.parse_overrides` (shared by every command); keys must be config fields.
-    """
-    from qkvshare.configuration_qkvshare import QKVShareConfig  # lazy: `qkvshare train --help` stays fast
-    from qkvshare.overrides import parse_overrides
 
+def config_overrides(text: str | None) -> dict[str, Any]:
+    """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`, in
+    the syntax every command shares (`overrides`); a `TrainingSetupError` naming the bad item. Whether the keys are
+    config fields is checked by `qkvshare.train.model.parse_config_overrides`, which needs the config class."""
     try:
-        overrides = parse_overrides(text, "--config_overrides")
-        QKVShareConfig.check_field_names(overrides, "--config_overrides")
+        return parse_overrides(text, "--config_overrides")
     except ValueError as err:
         raise TrainingSetupError(str(err)) from None
-    return overrides
 
 
 def check_args(args: Arguments) -> None:
-    """Checks that need no data or model. Raises `TrainingSetupError` with a how-to-fix message."""
+    """Checks that need no data, model, torch or transformers. Raises `TrainingSetupError` with a how-to-fix
+    message."""
     d, t = args.data, args.train
     if not t.output_dir:
         raise TrainingSetupError("--output_dir is required: the directory that receives the model and checkpoints.")
@@ -338,17 +345,17 @@ def check_args(args: Arguments) -> None:
         raise TrainingSetupError("choose one of --bf16 and --fp16.")
     if t.push_to_hub and not t.hub_model_id:
         raise TrainingSetupError("--push_to_hub needs --hub_model_id (e.g. your-name/qkvshare-small).")
-    parse_config_overrides(args.model.config_overrides)
+    config_overrides(args.model.config_overrides)
     if args.model.init_from is not None:
         check_init_from(args.model)
 
 
 def check_init_from(m: ModelArguments) -> None:
     """--init_from names a QKVShare model directory, and no flag that would build another model is given."""
-    for flag in ("variant", "config_overrides"):
-        if getattr(m, flag) is not None:
+    for name in ("variant", "config_overrides"):
+        if getattr(m, name) is not None:
             raise TrainingSetupError(
-                f"--{flag} cannot be combined with --init_from {m.init_from!r}: the model is the directory's as saved. "
+                f"--{name} cannot be combined with --init_from {m.init_from!r}: the model is the directory's as saved. "
                 "Convert to another variant with `qkvshare convert`, or drop --init_from to train from scratch."
             )
     config_file = Path(m.init_from).expanduser() / "config.json"
@@ -395,21 +402,10 @@ def _check_numbers(args: Arguments) -> None:
 
 
 def _check_attn_implementation(name: str | None) -> None:
-    """The attention backends the model supports; flash attention only when its package is installed."""
-    if name is None or name in ATTENTION_IMPLEMENTATIONS:
+    """The attention backends the model supports (whether flash-attn is installed is the trainer's check)."""
+    if name is None or name in ATTENTION_IMPLEMENTATIONS or name in FLASH_ATTENTION_IMPLEMENTATIONS:
         return
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
-    flash = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
-    if name in flash:
-        if flash[name]():
-            return
-        package = "flash-attn" if name == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
-        raise TrainingSetupError(
-            f"--attn_implementation {name} needs the package {package} (and a CUDA GPU), which is not installed; "
-            "install it or use sdpa (the default)."
-        )
-    allowed = [*ATTENTION_IMPLEMENTATIONS, *flash]
+    allowed = [*ATTENTION_IMPLEMENTATIONS, *FLASH_ATTENTION_IMPLEMENTATIONS]
     raise TrainingSetupError(
         f"--attn_implementation {name!r} is not an attention backend{_closest(name, allowed)}; "
         f"use one of {', '.join(allowed)}."
@@ -418,10 +414,6 @@ def _check_attn_implementation(name: str | None) -> None:
 
 def _check_report_to(report_to: str) -> None:
     """Known tracker names, each installed (accelerate would drop a missing one with only a log line)."""
-    import importlib.util
-
-    from qkvshare._extras import extra_providing, install_command
-
     names = [name.strip() for name in report_to.split(",") if name.strip()]
     if "none" in names and len(names) > 1:
         raise TrainingSetupError(f"--report_to {report_to!r} mixes 'none' with trackers; give one or the other.")
