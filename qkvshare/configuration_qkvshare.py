@@ -256,25 +256,18 @@ def variant_name(config: "QKVShareConfig") -> str:
 # Named presets (see README). The paper's models are GPT-2 style; the llama-* presets are the same shapes in
 # the Llama style (RMSNorm, SwiGLU with the usual 8/3 ratio rounded to a multiple of 256, RoPE, no biases).
 # The two block styles as config fields; `from_preset(..., **ARCHITECTURE_STYLES["gpt2"])` switches a preset.
+_STYLE_FIELDS = (
+    "norm_type",
+    "norm_eps",
+    "mlp_type",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "position_embedding_type",
+)
 ARCHITECTURE_STYLES: dict[str, dict[str, Any]] = {
-    "gpt2": dict(
-        norm_type="layernorm",
-        norm_eps=1e-5,
-        mlp_type="plain",
-        hidden_act="gelu_new",
-        attention_bias=True,
-        mlp_bias=True,
-        position_embedding_type="learned",
-    ),
-    "llama": dict(
-        norm_type="rmsnorm",
-        norm_eps=1e-5,
-        mlp_type="gated",
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        position_embedding_type="rope",
-    ),
+    "gpt2": dict(zip(_STYLE_FIELDS, ("layernorm", 1e-5, "plain", "gelu_new", True, True, "learned"), strict=True)),
+    "llama": dict(zip(_STYLE_FIELDS, ("rmsnorm", 1e-5, "gated", "silu", False, False, "rope"), strict=True)),
 }
 # GPT-2 tokenizer padded to a multiple of 64, 2048 positions, tied head: the paper's LM setup.
 _PAPER_LM = dict(

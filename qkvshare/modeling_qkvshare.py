@@ -311,7 +311,7 @@ class QKVShareAttention(nn.Module):
         if cache is not None:
             key, value = cache.attend(self.layer_idx, key, value, rotation, make_key)  # (B, H_kv, T_keys, D)
         else:
-            key, value = attended_states(key, value, position_embeddings, self.config.kv_tie_point, make_key)
+            key, value = attended_states(self.config.kv_tie_point, key, value, rotation, make_key)
 
         if self.attention_map_pe is not None:  # S' = S * sum(w) + P.w + b
             query = query * self.attention_map_pe.weight.sum().to(query.dtype)
