@@ -344,7 +344,7 @@ class TiedQuantoQuantizedLayer(TiedQuantizedLayerMixin, QuantoQuantizedLayer):
 class TiedHQQQuantizedLayer(TiedQuantizedLayerMixin, HQQQuantizedLayer):
     """Quantized (HQQ, int1-4 and int8) cache layer for a tied-K/V attention layer: one quantized tensor. Not in the
     test suite (hqq is not a test dependency: installed, transformers imports it in every process); checked by
-    `qkvshare bench --decode` (int8 cells: bytes equal theory) and the README's HQQ measurements."""
+    `qkvshare bench --decode` (int8 cells: bytes equal theory; docs/results.md, sections 8.2 and 9)."""
 
 
 class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
@@ -982,7 +982,7 @@ class QKVShareQuantizedCache(QKVShareCacheMixin, QuantizedCache):
             )
         packages = {  # backend: (package, is it installed, how to install it); fp8 needs none
             "quanto": ("optimum-quanto", is_optimum_quanto_available, 'pip install "qkvshare[quantized]"'),
-            "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: see the README
+            "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: importing hqq slows every import of transformers
         }
         package, installed, install = packages.get(backend, ("", None, ""))
         if installed is not None and not installed():

@@ -1,6 +1,6 @@
 """`qkvshare train`: pretrain a QKVShare model with Accelerate, from one CPU core to many GPUs.
 
-    qkvshare train configs/cpu-small.yaml                       # the README's 10-minute CPU run
+    qkvshare train configs/cpu-small.yaml                       # the README's main job
     accelerate launch -m qkvshare.train configs/paper-300m.yaml --variant Q-K=V
     accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare.train configs/paper-1.2b.yaml --variant QKV
 
