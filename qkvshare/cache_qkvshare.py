@@ -982,7 +982,8 @@ class QKVShareQuantizedCache(QKVShareCacheMixin, QuantizedCache):
             )
         packages = {  # backend: (package, is it installed, how to install it); fp8 needs none
             "quanto": ("optimum-quanto", is_optimum_quanto_available, 'pip install "qkvshare[quantized]"'),
-            "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: importing hqq slows every import of transformers
+            # not in [quantized]: once installed, hqq is imported by every import of transformers (seconds)
+            "hqq": ("hqq", is_hqq_available, "pip install hqq"),
         }
         package, installed, install = packages.get(backend, ("", None, ""))
         if installed is not None and not installed():
