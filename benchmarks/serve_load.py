@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py                                  # 64 requests, 8 clients, SmolLM2-135M shape
     python benchmarks/serve_load.py --requests 16 --clients 4 --new_tokens 16 --threads 1     # a quick look
-    python benchmarks/serve_load.py --continuous_batching            # the servers batch with the paged cache
+    python benchmarks/serve_load.py --continuous_batching            # batched on the tied paged cache, 24 MiB each
 
 Not part of CI. For each variant the script writes a model of one shape with random weights (default: SmolLM2-135M's,
 configs/smollm2-135m/config.json; `--variants` names them, `none` being Llama's attention in QKVShare's code),
@@ -10,6 +10,12 @@ starts `qkvshare serve` on a free port, sends one warm-up request, then `--reque
 `--clients` concurrent clients (the openai package, non-streaming, greedy), and stops the server. Per variant it
 reports the KV-cache bytes per token the server prints at startup, requests/s and generated tokens/s over the whole
 run, p50/p95 request latency, and the server process's peak resident memory (VmHWM, Linux).
+
+With `--continuous_batching` every server gets a page pool of the same memory, `--cb_cache_mib` (the number of
+blocks is what that memory holds for the variant's cache: one page per tied layer, two per untied one); the table
+then also gives the pool's tokens and how many requests of this length fit in it at once. The default 24 MiB holds
+4 requests of the default length for Llama (`none`, fp32) and 8 for Q-K=V, so with 8 clients Llama's server keeps
+requests waiting for pages that Q-K=V's runs at once.
 
 Every request has the same length: a prompt of `--prompt_tokens` random words of a word-level tokenizer covering the
 whole vocabulary (plus the chat template's few tokens) and exactly `--new_tokens` generated tokens (the model's
@@ -47,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (OMP_NUM_THREADS)")
     p.add_argument("--dtype", default="float32", help="the server's --dtype")
     p.add_argument("--continuous_batching", action="store_true", help="serve with --continuous_batching")
+    p.add_argument("--cb_cache_mib", type=float, default=24.0, help="continuous batching: page pool of every server")
+    p.add_argument("--cb_page_size", type=int, default=32, help="continuous batching: tokens per page")
     p.add_argument("--max_seconds", type=float, default=540.0, help="bound on the whole run")
     p.add_argument("--output", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -59,14 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # the models
 # ----------------------------------------------------------------------------------------------------------------
 def word_tokenizer(vocab_size: int):
-    """A word-level tokenizer with one word per id of the model's vocabulary ("w1", "w2", ...; id 0 is EOS) and the
-    chat template of QKVShare's trained tokenizers: every id a random model generates decodes to a word."""
+    """A word-level tokenizer with one word per id of the model's vocabulary ("w1", "w2", ..., the chat roles; id 0
+    is EOS) and the chat template of QKVShare's trained tokenizers: every id a random model generates is a word."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from qkvshare.train.tokenizer import CHAT_TEMPLATE
 
-    vocab = {EOS: 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    roles = ["system", "user", "assistant"]  # the chat template's words
+    vocab = {EOS: 0, **{f"w{i}": i for i in range(1, vocab_size - len(roles))}}
+    vocab.update({role: vocab_size - len(roles) + i for i, role in enumerate(roles)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
@@ -100,6 +110,8 @@ class Run:
     tokens: int = 0  # generated tokens of the completed requests
     wall: float = 0.0  # seconds from the first request sent to the last answer
     peak_rss_mib: float = 0.0
+    pool_line: str = ""  # the server's "Paged cache ..." startup line (continuous batching)
+    fit: int | None = None  # requests of the benchmark's length the page pool holds at once
     errors: list[str] = field(default_factory=list)
 
     def row(self) -> dict:
@@ -114,6 +126,8 @@ class Run:
             "p50_s": statistics.median(self.latencies) if done else 0.0,
             "p95_s": quantiles[18],
             "peak_rss_mib": self.peak_rss_mib,
+            "pool_tokens": self.pool_line.partition(" = ")[2].partition(" tokens")[0],
+            "requests_that_fit": self.fit,
             "errors": len(self.errors),
         }
 
@@ -164,7 +178,25 @@ def load(url: str, model_id: str, prompts: list[str], args: argparse.Namespace, 
     run.wall = time.perf_counter() - start
 
 
+def continuous_batching_flags(config, prompt_tokens: int, args: argparse.Namespace) -> tuple[list[str], int]:
+    """The server flags for a page pool of `args.cb_cache_mib` for this config's cache, and how many requests of
+    `prompt_tokens` + `args.new_tokens` tokens it holds at once (each takes whole pages)."""
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+    block = args.cb_page_size * config.kv_cache_bytes_per_token(element)  # one page of every cached tensor
+    blocks = int(args.cb_cache_mib * 2**20 // block)
+    if blocks < 1:
+        raise SystemExit(
+            f"--cb_cache_mib {args.cb_cache_mib}: less than one block ({block:,} bytes) of {config.variant}"
+        )
+    per_request = -(-(prompt_tokens + args.new_tokens) // args.cb_page_size)
+    flags = ["--continuous_batching", "--cb_page_size", str(args.cb_page_size), "--cb_num_blocks", str(blocks)]
+    return flags, blocks // per_request
+
+
 def bench_variant(variant: str, shape: dict, work: Path, args: argparse.Namespace, deadline: float) -> Run:
+    from transformers import AutoTokenizer
+
+    from qkvshare import QKVShareConfig
     from qkvshare.serve import serve_in_subprocess
 
     model_dir = work / variant.replace("=", "_eq_")
@@ -172,26 +204,37 @@ def bench_variant(variant: str, shape: dict, work: Path, args: argparse.Namespac
     rng = random.Random(0)
     words = shape["vocab_size"]
     prompts = [" ".join(f"w{rng.randrange(1, words)}" for _ in range(args.prompt_tokens)) for _ in range(args.requests)]
-    flags = ["--dtype", args.dtype, "--device", "cpu", *(["--continuous_batching"] if args.continuous_batching else [])]
-    env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
+    flags = ["--dtype", args.dtype, "--device", "cpu"]
     run = Run(variant)
+    if args.continuous_batching:
+        chat = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+            [{"role": "user", "content": prompts[0]}], add_generation_prompt=True
+        )
+        config = QKVShareConfig.from_pretrained(model_dir)
+        cb_flags, run.fit = continuous_batching_flags(config, len(chat["input_ids"]), args)
+        flags += cb_flags
+    env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
     log = work / f"{model_dir.name}.log"
     with serve_in_subprocess(model_dir, flags, log, env=env) as (url, process):
-        run.cache_line = next((ln for ln in log.read_text().splitlines() if ln.startswith("KV cache: ")), "")
+        lines = log.read_text().splitlines()
+        run.cache_line = next((line for line in lines if line.startswith("KV cache: ")), "")
+        run.pool_line = next((line for line in lines if line.startswith("Paged cache ")), "")
         load(url, str(model_dir), prompts, args, deadline, run)
         run.peak_rss_mib = peak_rss_mib(process.pid)
     return run
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
+    pool = args.continuous_batching
+    head = "| variant | KV cache bytes/token |" + (" pool tokens | requests that fit |" if pool else "")
     lines = [
-        "| variant | KV cache bytes/token | requests | requests/s | tokens/s | p50 latency (s) | p95 latency (s) | "
-        "peak RSS (MiB) | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        head + " requests | requests/s | tokens/s | p50 latency (s) | p95 latency (s) | peak RSS (MiB) | errors |",
+        "|---|---:|" + ("---:|---:|" if pool else "") + "---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        fit = f" {r['pool_tokens']} | {r['requests_that_fit']} |" if pool else ""
         lines.append(
-            f"| {r['variant']} | {r['cache_bytes_per_token']} | {r['requests']}/{args.requests} | "
+            f"| {r['variant']} | {r['cache_bytes_per_token']} |{fit} {r['requests']}/{args.requests} | "
             f"{r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
             f"{r['peak_rss_mib']:,.0f} | {r['errors']} |"
         )
@@ -207,10 +250,16 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants:
             runs.append(bench_variant(variant, shape, Path(tmp), args, deadline))
             print(f"{variant}: {runs[-1].cache_line}", flush=True)
+            if runs[-1].pool_line:
+                print(f"{variant}: {runs[-1].pool_line}", flush=True)
             for error in runs[-1].errors[:3]:
                 print(f"  error: {error}", file=sys.stderr)
     rows = [run.row() for run in runs]
-    mode = "continuous batching" if args.continuous_batching else "sequential generate()"
+    mode = (
+        f"continuous batching ({args.cb_cache_mib:g} MiB page pool, {args.cb_page_size}-token pages)"
+        if args.continuous_batching
+        else "one generate() at a time"
+    )
     print(
         f"\n{args.requests} requests from {args.clients} clients, {args.prompt_tokens}-word prompts, "
         f"{args.new_tokens} new tokens each, {Path(args.shape).parent.name} shape, {args.dtype}, {mode}, "

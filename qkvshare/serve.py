@@ -54,6 +54,7 @@ from qkvshare_cli import main as cli_main
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
+    from transformers import ContinuousBatchingConfig
 
 PREFILL_TOKENS = 16  # tokens of the startup prefill whose cache is measured for the log
 
@@ -232,26 +233,85 @@ def answer_errors_with_messages(app: FastAPI) -> None:
         return openai_error(500, f"{type(exc).__name__}: {exc}")
 
 
-def build_app(args: argparse.Namespace) -> tuple[FastAPI, QKVShareForCausalLM]:
-    """transformers' server app with the model of `args.model_dir` loaded (see the module docstring); returns the
-    app and the model."""
+# Continuous batching on CPU, when the command line leaves these out: transformers sizes the page pool from free
+# memory (on CPU: most of the RAM) and, for the sdpa and eager backends, allocates an attention mask of
+# max_batch_tokens x (pool tokens + max_batch_tokens) and fills it for every batch: with its defaults, gigabytes and
+# seconds per forward. Small pages also suit short requests (a request holds whole pages).
+CPU_CONTINUOUS_BATCHING = {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 256}
+CB_START_SECONDS = 120.0  # bound on creating the page pool at startup
+
+
+def continuous_batching_config(args: argparse.Namespace, device: str) -> ContinuousBatchingConfig:
+    """The `ContinuousBatchingConfig` of the command line; on CPU, `CPU_CONTINUOUS_BATCHING` for what it leaves out."""
     from transformers import ContinuousBatchingConfig
 
+    given = {
+        "page_size": args.cb_page_size,
+        "num_blocks": args.cb_num_blocks,
+        "max_batch_tokens": args.cb_max_batch_tokens,
+    }
+    defaults = CPU_CONTINUOUS_BATCHING if torch.device(device).type == "cpu" else {}
+    options = {name: value if value is not None else defaults.get(name) for name, value in given.items()}
+    return ContinuousBatchingConfig(**{name: value for name, value in options.items() if value is not None})
+
+
+def start_continuous_batching(
+    state: GenerationState, handler: CheckedChatCompletionHandler, model: QKVShareForCausalLM, model_id: str
+) -> str:
+    """Start the server's continuous-batching worker now (transformers starts it at the first request) and return
+    the log line of its page pool: a model it cannot batch is refused at startup (`ValueError`), and the pool is
+    sized before the first request waits for it.
+
+    transformers' server gives its continuous batching the generation config of the first request for every request
+    (only max_tokens and the stop token are per request); started here, that is the model's own generation config.
+    """
+    generation_config = handler._build_generation_config({}, model.generation_config, use_cb=True)
+    manager = state.get_manager(model_id, use_cb=True)
+    manager.init_cb(model, generation_config)  # the model's `init_continuous_batching`: our tied paged cache
+    deadline = time.monotonic() + CB_START_SECONDS
+    while True:
+        if not manager.is_alive():
+            raise RuntimeError(
+                "continuous batching: its worker stopped while building the page pool (see its error above)"
+            )
+        try:
+            cache = manager.scheduler.cache  # there once the worker has built the batch processor and its pool
+            break
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"continuous batching: no page pool after {CB_START_SECONDS:.0f} s") from None
+            time.sleep(0.05)
+    config, element = model.config, torch.finfo(model.dtype).bits // 8
+    page = next(iter(cache.cache_allocators.values())).tokens_per_page
+    tokens = cache.num_blocks * page
+    both = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    return (
+        f"Paged cache (continuous batching): {cache.num_blocks:,} blocks of {page} tokens = {tokens:,} tokens in "
+        f"{cache.cache_tensor.nbytes:,} bytes; K and V in every layer would fit "
+        f"{tokens * config.kv_cache_bytes_per_token(element) // both:,} tokens in these pages"
+    )
+
+
+def build_app(args: argparse.Namespace) -> tuple[FastAPI, QKVShareForCausalLM, str | None]:
+    """transformers' server app with the model of `args.model_dir` loaded (see the module docstring); returns the
+    app, the model and, with `--continuous_batching`, the log line of the page pool (else None)."""
+    device = args.device or default_device()
     manager = QKVShareModelManager(
-        device=args.device or default_device(),
+        device=device,
         dtype=args.dtype,  # a canonical --dtype name: "auto" or a torch dtype's name, as transformers' manager takes
         attn_implementation=args.attn_implementation,
         continuous_batching=args.continuous_batching,
         force_model=args.model_dir,
     )
-    model, _tokenizer = manager.load_model_and_processor(manager.process_model_name(args.model_dir))
-    cb_options = {"block_size": args.cb_block_size, "num_blocks": args.cb_num_blocks}
-    cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb_options.items() if v is not None})
+    model_id = manager.process_model_name(args.model_dir)
+    model, _tokenizer = manager.load_model_and_processor(model_id)
+    cb_config = continuous_batching_config(args, device) if args.continuous_batching else None
     state = GenerationState(continuous_batching=args.continuous_batching, cb_config=cb_config)
     handlers = dict(model_manager=manager, generation_state=state)
+    chat = CheckedChatCompletionHandler(**handlers)
     app = build_server(
         manager,
-        CheckedChatCompletionHandler(**handlers),
+        chat,
         completion_handler=CheckedCompletionHandler(**handlers),
         response_handler=CheckedResponseHandler(**handlers),
         transcription_handler=TranscriptionHandler(manager, state),
@@ -259,7 +319,12 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, QKVShareForCausalLM]:
         generation_state=state,
     )
     answer_errors_with_messages(app)
-    return app, model
+    if not args.continuous_batching:
+        return app, model, None
+    try:
+        return app, model, start_continuous_batching(state, chat, model, model_id)
+    except ValueError as err:  # a model or setting the tied paged cache refuses, with the reason
+        raise ValueError(f"{err} Or serve without --continuous_batching (one generate() at a time).") from None
 
 
 @contextmanager
@@ -321,8 +386,14 @@ def execute(args: argparse.Namespace) -> int:
         return 2
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    app, model = build_app(args)
+    try:
+        app, model, pool = build_app(args)
+    except ValueError as err:  # continuous batching refused for this model (what to use instead is said)
+        print(f"qkvshare serve: error: {err}", file=sys.stderr)
+        return 2
     print(f"Serving {args.model_dir} ({model.config.variant}, {model.dtype}, {model.device})", flush=True)
     print(cache_summary(model), flush=True)
+    if pool is not None:
+        print(pool, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -40,8 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="batch the requests with transformers' continuous batching (paged cache)",
     )
-    p.add_argument("--cb_block_size", type=int, default=None, help="continuous batching: tokens per cache page")
-    p.add_argument("--cb_num_blocks", type=int, default=None, help="continuous batching: pages of the cache")
+    p.add_argument(
+        "--cb_page_size", type=int, default=None, help="continuous batching: tokens per page (default on CPU: 32)"
+    )
+    p.add_argument(
+        "--cb_num_blocks",
+        type=int,
+        default=None,
+        help="continuous batching: blocks of the page pool, one page of every layer each (default on CPU: 128; "
+        "elsewhere transformers' sizing from free memory)",
+    )
+    p.add_argument(
+        "--cb_max_batch_tokens",
+        type=int,
+        default=None,
+        help="continuous batching: tokens per forward, prompts chunked to it (default on CPU: 256)",
+    )
     p.add_argument("--seed", type=int, default=None, help="torch seed at startup, for sampled requests")
     p.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
     return p
@@ -80,11 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a port is 0 to 65535 (0: a free one).")
-    for flag in ("cb_block_size", "cb_num_blocks"):
+    cb_flags = ("cb_page_size", "cb_num_blocks", "cb_max_batch_tokens")
+    for flag in cb_flags:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} {value}: must be a positive number.")
-    if not args.continuous_batching and (args.cb_block_size or args.cb_num_blocks):
-        raise ValueError("--cb_block_size and --cb_num_blocks configure --continuous_batching; add that flag.")
+    if not args.continuous_batching and any(getattr(args, flag) is not None for flag in cb_flags):
+        raise ValueError(f"--{', --'.join(cb_flags)} configure --continuous_batching; add that flag.")
     check_model_dir(args.model_dir)
     return args

@@ -11,6 +11,7 @@ then has exactly the asked number of tokens and decodes the same in one piece or
 from __future__ import annotations
 
 import json
+import re
 import string
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,19 +86,27 @@ def reference(model_dir):
     return generate
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`qkvshare serve MODEL_DIR` in a subprocess on a free port: yields (base URL, startup log); stopped at
-    teardown."""
+# The two ways the server generates: one `generate()` at a time (QKVShareCache), or transformers' continuous
+# batching on the tied paged cache (a small pool: 16 blocks of 16 tokens).
+MODES = {
+    "generate": [],
+    "continuous batching": ["--continuous_batching", "--cb_page_size", "16", "--cb_num_blocks", "16"],
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def server(request, model_dir, tmp_path_factory):
+    """`qkvshare serve MODEL_DIR` in a subprocess on a free port, in each mode in turn (one process at a time):
+    yields (mode, base URL, startup log); stopped at teardown."""
     log_path = tmp_path_factory.mktemp("serve-log") / "server.log"
-    flags = ["--dtype", "float32", "--device", "cpu"]
+    flags = ["--dtype", "float32", "--device", "cpu", *MODES[request.param]]
     with serve_in_subprocess(model_dir, flags, log_path, STARTUP_SECONDS, env={"OMP_NUM_THREADS": "1"}) as (url, _):
-        yield url, log_path.read_text()
+        yield request.param, url, log_path.read_text()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
 
 
 def chat(client, model_dir, content: str, **kwargs):
@@ -107,12 +116,21 @@ def chat(client, model_dir, content: str, **kwargs):
 
 
 def test_startup_log_gives_the_tied_cache_size(server, model_dir):
+    mode, _, log = server
     config = QKVShareConfig.from_pretrained(model_dir)
     tied = config.kv_cache_bytes_per_token(4)  # fp32: the two tied layers hold one tensor each
     both = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     assert tied * 2 == both  # every layer is tied: half of K and V
     line = f"KV cache: {tied:,} bytes/token (Q-K=V: 2 tied layers, one tensor each; K and V in every layer would "
-    assert f"{line}hold {both:,}; torch.float32)" in server[1]
+    assert f"{line}hold {both:,}; torch.float32)" in log
+    pool = re.search(
+        r"Paged cache \(continuous batching\): 16 blocks of 16 tokens = 256 tokens in ([\d,]+) bytes; "
+        r"K and V in every layer would fit 128 tokens in these pages",
+        log,
+    )
+    assert (pool is not None) == (mode == "continuous batching"), log
+    if pool is not None:  # the pages (one tensor per tied layer) and transformers' two trash sectors
+        assert 256 * tied <= int(pool.group(1).replace(",", "")) < 256 * tied * 1.25
 
 
 @pytest.mark.parametrize(
@@ -209,7 +227,7 @@ def test_bad_request_gets_an_http_error_with_a_message_and_the_server_keeps_serv
 def test_body_that_is_no_json_object_is_a_422_with_a_message(server):
     import httpx
 
-    answer = httpx.post(f"{server[0]}/v1/chat/completions", json=[1, 2], timeout=REQUEST_SECONDS)
+    answer = httpx.post(f"{server[1]}/v1/chat/completions", json=[1, 2], timeout=REQUEST_SECONDS)
     assert answer.status_code == 422
     assert "send a JSON object" in answer.json()["error"]["message"]
 
@@ -217,6 +235,24 @@ def test_body_that_is_no_json_object_is_a_422_with_a_message(server):
 # ----------------------------------------------------------------------------------------------------------------
 # bad command lines: answered before torch is imported, no server started
 # ----------------------------------------------------------------------------------------------------------------
+def test_continuous_batching_refuses_what_the_paged_cache_cannot_hold_before_serving(
+    tmp_path, model_dir, monkeypatch, capsys
+):
+    """QV-Ka caches a context and values, which the pages cannot hold: exit status 2 and the reason, nothing served."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    config = QKVShareConfig.from_pretrained(model_dir)
+    qv_ka = QKVShareConfig.from_preset("tiny", variant="QV-Ka", vocab_size=config.vocab_size)
+    QKVShareForCausalLM(qv_ka).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_text((model_dir / name).read_text())
+    assert cli(["serve", str(tmp_path), "--continuous_batching", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "qkvshare serve: error: continuous batching: QV-Ka (key_context_dim=" in err
+    assert err.rstrip().endswith("Or serve without --continuous_batching (one generate() at a time).")
+
+
 def test_serve_refuses_a_directory_it_cannot_serve(tmp_path, model_dir, capsys):
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
