@@ -53,9 +53,9 @@ Design notes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.cache_utils import (
@@ -72,10 +72,14 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
+
+if TYPE_CHECKING:
+    from .paged_cache_qkvshare import PagedBatch
 
 
 class OneTensorLayerMixin:
@@ -670,6 +674,30 @@ def attended_states(
     return rotated, value
 
 
+def attend_layer(
+    layer: CacheLayerMixin,
+    kind: str,
+    kv_tie_point: str | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotation: Rotation | None,
+    make_key: KeyMaker | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QKVShareCacheMixin.attend` for one cache layer of this kind (a key of `LAYER_CLASSES`): what it stores and
+    what attention reads back. Any layer with `update(key_states, value_states) -> (keys, values)` fits, so the paged
+    cache of continuous batching (paged_cache_qkvshare.py) stores through the same rules."""
+    if kind == "context_value":
+        context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
+        return rotate(make_key(context, value), rotation and rotation.keys), value
+    if kind == "tied":
+        if kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
+            stored, _ = layer.update(key, None)
+            return rotate(stored, rotation.keys), stored
+        stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
+        return stored, stored
+    return layer.update(rotate(key, rotation and rotation.new), value)
+
+
 class QKVShareCacheMixin:
     """What every QKVShare cache is, whatever its kind (dynamic, static, quantized): layers laid out by the model's
     config (`CacheLayout`), the positions of the cached tokens when the model needs them, and `attend`, the one
@@ -778,16 +806,7 @@ class QKVShareCacheMixin:
         are recomputed and rotated on read), any other layer the rotated key and the value.
         """
         kind, layer = self.layout.layer_kinds[layer_idx], self.layers[layer_idx]
-        if kind == "context_value":
-            context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
-            return rotate(make_key(context, value), rotation and rotation.keys), value
-        if kind == "tied":
-            if self.layout.kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
-                stored, _ = layer.update(key, None)
-                return rotate(stored, rotation.keys), stored
-            stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
-            return stored, stored
-        return layer.update(rotate(key, rotation and rotation.new), value)
+        return attend_layer(layer, kind, self.layout.kv_tie_point, key, value, rotation, make_key)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds: the cached states (see `layer_nbytes`) plus the positions."""
@@ -1029,10 +1048,15 @@ class ForeignCache:
 
 
 def cache_for_model(
-    cache: Cache | None, config: QKVShareConfig, layout: CacheLayout
-) -> QKVShareCacheMixin | ForeignCache | None:
+    cache: Cache | PagedAttentionCache | None,
+    config: QKVShareConfig,
+    layout: CacheLayout,
+    batch: Mapping[str, Any] | None = None,
+) -> QKVShareCacheMixin | ForeignCache | PagedBatch | None:
     """The cache a model's layers write through, from the `cache` given to its forward: a QKVShare cache itself (after
-    checking it was built for this model), a transformers cache behind `ForeignCache`, or None.
+    checking it was built for this model), a transformers cache behind `ForeignCache`, this forward's `PagedBatch` of
+    a `QKVSharePagedCache` (continuous batching; `batch` is the forward's other keyword arguments, which carry the
+    batch's page indices), or None.
 
     Refuses, with a ValueError saying what to pass instead, a cache the model cannot use exactly: a QKVShare cache of
     another layout; anything that is not a transformers `Cache`; any other cache with the linear kernel (its state
@@ -1045,6 +1069,10 @@ def cache_for_model(
     if isinstance(cache, QKVShareCacheMixin):
         cache.check_layout(layout)
         return cache
+    if isinstance(cache, PagedAttentionCache):  # continuous batching (generate_batch, its manager, a server)
+        from .paged_cache_qkvshare import paged_batch  # here: that module builds on this one
+
+        return paged_batch(cache, layout, batch or {})
     name = type(cache).__name__
     fix = (
         "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "

@@ -81,6 +81,7 @@ from .cache_qkvshare import (
 )
 from .configuration_qkvshare import QKVShareConfig
 from .linear_attention_qkvshare import QKVShareLinearAttention
+from .paged_cache_qkvshare import ContinuousBatchingMixin
 from .validation_qkvshare import check_inputs, check_learned_positions
 
 # The mask builder of each attention type (config `layer_types`).
@@ -544,7 +545,7 @@ class QKVShareModel(QKVSharePreTrainedModel):
         """
         types = self.cache_layout.present_attention_types
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache, self.embed_tokens is not None, types)
-        store = cache_for_model(cache, self.config, self.cache_layout)  # what the layers write through
+        store = cache_for_model(cache, self.config, self.cache_layout, kwargs)  # what the layers write through
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -587,7 +588,7 @@ class QKVShareModel(QKVSharePreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
-class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
+class QKVShareForCausalLM(QKVSharePreTrainedModel, ContinuousBatchingMixin, GenerationMixin):
     """QKVShare language model. `generate()` uses a QKVShare cache for each usual `cache_implementation` (see
     `tied_cache_for_generation`): `QKVShareCache` by default, `QKVShareStaticCache` for "static", ...
 
