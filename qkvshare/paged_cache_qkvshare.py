@@ -76,7 +76,7 @@ def check_continuous_batching(config: QKVShareConfig) -> None:
             f"batching and is tested with transformers{TESTED_TRANSFORMERS}, but {installed} is installed; install "
             f'"transformers{TESTED_TRANSFORMERS}", or generate without it (model.generate() uses QKVShareCache).'
         )
-    instead = "use model.generate() (a QKVShareCache or QKVShareStaticCache) for this model"
+    instead = "generate with model.generate() instead (its QKVShareCache holds this model's cache)"
     if config.attention_kernel == "linear":
         problem = "attention_kernel='linear' keeps a constant-size state per sequence, which has no pages"
     elif config.key_context_dim:
@@ -90,8 +90,8 @@ def check_continuous_batching(config: QKVShareConfig) -> None:
         problem = "is_causal=False: continuous batching generates causally (its masks are causal)"
     elif config._attn_implementation not in PAGED_BACKENDS:
         problem = (
-            f"attn_implementation={config._attn_implementation!r}: its paged kernels read one key and one value page "
-            "tensor per layer"
+            f"attn_implementation={config._attn_implementation!r}: QKVShare models batch continuously with the sdpa "
+            "and eager backends only (flash attention's paged kernels read a key and a value page per layer)"
         )
         instead = "load the model with attn_implementation='sdpa' or 'eager'"
     else:
