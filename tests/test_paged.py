@@ -111,6 +111,34 @@ def test_manager_and_paged_generate_use_the_tied_pages():
     assert sequences[0, 0].tolist() == inputs[0] + expected[0]
 
 
+def test_a_shared_prefix_is_read_from_the_first_requests_pages(monkeypatch):
+    # Prefix sharing hands the second request the first one's complete pages: its keys are read from them at the
+    # positions rebuilt for it (pre-RoPE: unrotated keys, rotated on read).
+    matched = []
+    search = QKVSharePagedCache.search_prefix_match
+
+    def recording(self, *args):
+        matched.append(search(self, *args))  # tokens of the prompt found in pages already written
+        return matched[-1]
+
+    monkeypatch.setattr(QKVSharePagedCache, "search_prefix_match", recording)
+    model = tiny_lm("Q-K=V", kv_tie_point="pre_rope")
+    prefix = prompts()[3]  # 12 tokens: 3 pages
+    inputs = [prefix + [30, 31], prefix + [40, 41, 42]]
+    expected = generated_one_by_one(model, inputs)
+    manager = model.init_continuous_batching(GenerationConfig(**GREEDY), batching_config())
+    manager.start()
+    try:
+        generated = []
+        for prompt in inputs:  # one after the other: the first one's pages are complete when the second comes
+            manager.add_request(prompt, max_new_tokens=NEW_TOKENS)
+            generated.append(manager.get_result(timeout=30).generated_tokens)
+    finally:
+        manager.stop(block=True)
+    assert matched == [0, 12]
+    assert generated == expected
+
+
 @pytest.mark.parametrize(
     "variant, overrides, cached_tensors",
     [
