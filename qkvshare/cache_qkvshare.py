@@ -14,6 +14,7 @@ Design notes
       quantized, backend quanto / hqq  Quanto/HQQQuantizedLayer      TiedQuanto/TiedHQQQuantizedLayer (one quantized
                                                                      tensor plus one residual buffer)
       quantized, backend fp8           Fp8QuantizedLayer             TiedFp8QuantizedLayer
+  Continuous batching's paged cache has its tied form in paged_cache_qkvshare.py (`QKVSharePagedCache`).
 - With RoPE and `kv_tie_point="pre_rope"`, the stored tensor is the key projection's output before rotation
   (it is the value); the model rotates it on read. That needs the positions of the cached tokens, so the
   cache also keeps them when the config needs them (pre-RoPE ties, or the "+" attention-map encoding, whose
