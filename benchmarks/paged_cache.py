@@ -92,7 +92,7 @@ def bytes_table(args: argparse.Namespace, dtype: torch.dtype) -> list[list]:
     ]:
         config = model_config(args, variant, **overrides)
         ours, theirs = caches(config, args.blocks, args, dtype)
-        tensors = sum(1 if config.is_kv_tied(i) else 2 for i in range(config.num_hidden_layers))
+        tensors = sum(config.layer_mode(i).cached_tensors for i in range(config.num_hidden_layers))
         expected = tensors / (2 * config.num_hidden_layers)
         rows.append(
             [label, args.blocks, ours.nbytes(), theirs.cache_tensor.nbytes, ours.nbytes() / theirs.cache_tensor.nbytes]

@@ -123,12 +123,11 @@ class TiedPagedAllocator(FullAttentionCacheAllocator):
         page_size: int,
         layer_indices: list[int],
         allow_block_sharing: bool,
-        layout: CacheLayout,
     ) -> None:
         self.head_dim = config.head_dim
         self.num_key_value_heads = num_key_value_heads
         self.cache_dtype = cache_dtype
-        self.cached_tensors = {i: 1 if layout.layer_kinds[i] == "tied" else 2 for i in layer_indices}
+        self.cached_tensors = {i: config.layer_mode(i).cached_tensors for i in layer_indices}
         page_bytes = num_key_value_heads * self.head_dim * cache_dtype.itemsize * page_size
         self._before_cache_tensor_init(index, layer_indices, page_size, page_bytes, allow_block_sharing)
         # transformers counts one page per layer; here a page per cached tensor.
@@ -230,7 +229,6 @@ class QKVSharePagedCache(PagedAttentionCache):
             page_size=continuous_batching_config.page_size,
             layer_indices=layers,
             allow_block_sharing=continuous_batching_config.allow_block_sharing,
-            layout=self.layout,
         )
         self.cache_allocators = {FULL_ATTENTION: allocator}
         self.layer_to_allocator = dict.fromkeys(layers, allocator)
