@@ -1061,10 +1061,10 @@ def cache_for_model(
 
     Refuses, with a ValueError saying what to pass instead, a cache the model cannot use exactly: a QKVShare cache of
     another layout (paged or not); transformers' own `PagedAttentionCache` (K and V pages, no positions); anything
-    else that is not a transformers `Cache`; any other cache with the linear kernel (its state
-    lives only in QKVShare caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do
-    not record positions, and assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another
-    number of layers. Cheap Python checks: no tensor is read.
+    else that is not a transformers `Cache`; any other cache with the linear kernel (its state lives only in QKVShare
+    caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do not record positions, and
+    assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another number of layers. Cheap
+    Python checks: no tensor is read.
     """
     if cache is None:
         return None
