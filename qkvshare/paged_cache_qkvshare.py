@@ -56,7 +56,7 @@ from transformers.generation.continuous_batching.initialization import update_cb
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 from transformers.generation.continuous_batching.utils import WorkloadHints, logger
 
-from .cache_qkvshare import CacheLayout, KeyMaker, Rotation, attend_layer
+from .cache_qkvshare import CacheLayout, attend_layer
 from .configuration_qkvshare import QKVShareConfig
 
 # The transformers releases this module was tested with: it subclasses private parts of their continuous batching.
@@ -346,19 +346,12 @@ class PagedBatch(NamedTuple):
         positions = (keys - ends[request]).to(position_ids.device)
         return dict.fromkeys(types, positions[None])  # (1, T_read)
 
-    def attend(
-        self,
-        layer_idx: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotation: Rotation | None,
-        make_key: KeyMaker | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`QKVShareCacheMixin.attend` on the pages: store the new states as the layer's kind keeps them and return
-        the keys and values of every request's tokens, packed as the batch's mask expects."""
+    def attend(self, layer_idx: int, *states: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`QKVShareCacheMixin.attend` (same arguments after `layer_idx`) on the pages: store the new states as the
+        layer's kind keeps them and return the keys and values of every request's tokens, packed as the batch's mask
+        expects."""
         layer = PagedLayer(self.allocator, layer_idx, self.read_index, self.write_index)
-        kind, tie_point = self.layout.layer_kinds[layer_idx], self.layout.kv_tie_point
-        return attend_layer(layer, kind, tie_point, key, value, rotation, make_key)
+        return attend_layer(self.layout.layer_kinds[layer_idx], self.layout.kv_tie_point, layer, *states)
 
 
 def paged_batch(cache: PagedAttentionCache, layout: CacheLayout, batch: Mapping[str, Any]) -> PagedBatch:
