@@ -1,13 +1,15 @@
 """Load test of `qkvshare serve` on 127.0.0.1: the Llama-equivalent model (`none`) and Q-K=V side by side.
 
-    python benchmarks/serve_load.py                                  # 64 requests, 8 clients, SmolLM2-135M shape
+    python benchmarks/serve_load.py --threads 1                      # 64 requests, 8 clients, SmolLM2-135M shape
     python benchmarks/serve_load.py --requests 16 --clients 4 --new_tokens 16 --threads 1     # a quick look
-    python benchmarks/serve_load.py --continuous_batching            # batched on the tied paged cache, 24 MiB each
+    python benchmarks/serve_load.py --threads 1 --continuous_batching   # batched on the tied paged cache, 24 MiB each
 
 Not part of CI. For each variant the script writes a model of one shape with random weights (default: SmolLM2-135M's,
-configs/smollm2-135m/config.json; `--variants` names them, `none` being Llama's attention in QKVShare's code),
-starts `qkvshare serve` on a free port, sends one warm-up request, then `--requests` chat completions from
-`--clients` concurrent clients (the openai package, non-streaming, greedy), and stops the server. Per variant it
+configs/smollm2-135m/config.json; `--variants` names them, `none` being Llama's attention in QKVShare's code) and
+starts `qkvshare serve` on a free port. Then all the servers are loaded at once, side by side, so that load from
+other processes on the machine hits every variant alike: each gets one warm-up request, then `--requests` chat
+completions from `--clients` concurrent clients of its own (the openai package, non-streaming, greedy). Give each
+server fewer `--threads` than cores / variants, so the servers do not compete with each other. Per variant it
 reports the KV-cache bytes per token the server prints at startup, requests/s and generated tokens/s over the whole
 run, p50/p95 request latency, and the server process's peak resident memory (VmHWM, Linux).
 
@@ -34,6 +36,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,35 +196,62 @@ def continuous_batching_flags(config, prompt_tokens: int, args: argparse.Namespa
     return flags, blocks // per_request
 
 
-def bench_variant(variant: str, shape: dict, work: Path, args: argparse.Namespace, deadline: float) -> Run:
+@dataclass
+class Server:
+    """One variant's model directory, `qkvshare serve` flags and prompts."""
+
+    run: Run
+    model_dir: Path
+    flags: list[str]
+    prompts: list[str]
+
+
+def prepare(variant: str, shape: dict, work: Path, args: argparse.Namespace) -> Server:
+    """Write the variant's model and choose its server flags and prompts (the same prompts for every variant)."""
     from transformers import AutoTokenizer
 
     from qkvshare import QKVShareConfig
-    from qkvshare.serve import serve_in_subprocess
 
     model_dir = work / variant.replace("=", "_eq_")
     write_model(shape, variant, model_dir)
     rng = random.Random(0)
-    words = shape["vocab_size"]
+    words = shape["vocab_size"] - 3  # w1 .. w{vocab-4}: the last three ids are the chat roles
     prompts = [" ".join(f"w{rng.randrange(1, words)}" for _ in range(args.prompt_tokens)) for _ in range(args.requests)]
-    flags = ["--dtype", args.dtype, "--device", "cpu"]
-    run = Run(variant)
+    server = Server(Run(variant), model_dir, ["--dtype", args.dtype, "--device", "cpu"], prompts)
     if args.continuous_batching:
         chat = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
             [{"role": "user", "content": prompts[0]}], add_generation_prompt=True
         )
         config = QKVShareConfig.from_pretrained(model_dir)
-        cb_flags, run.fit = continuous_batching_flags(config, len(chat["input_ids"]), args)
-        flags += cb_flags
+        cb_flags, server.run.fit = continuous_batching_flags(config, len(chat["input_ids"]), args)
+        server.flags += cb_flags
+    return server
+
+
+def bench(servers: list[Server], work: Path, args: argparse.Namespace, deadline: float) -> None:
+    """Start every variant's server, then load them all at once (each with its own clients): a load spike from
+    outside hits every variant alike. Fills each `Server.run`."""
+    from qkvshare.serve import serve_in_subprocess
+
     env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
-    log = work / f"{model_dir.name}.log"
-    with serve_in_subprocess(model_dir, flags, log, env=env) as (url, process):
-        lines = log.read_text().splitlines()
-        run.cache_line = next((line for line in lines if line.startswith("KV cache: ")), "")
-        run.pool_line = next((line for line in lines if line.startswith("Paged cache ")), "")
-        load(url, str(model_dir), prompts, args, deadline, run)
-        run.peak_rss_mib = peak_rss_mib(process.pid)
-    return run
+    with ExitStack() as stack:
+        started = []
+        for server in servers:
+            log = work / f"{server.model_dir.name}.log"
+            url, process = stack.enter_context(serve_in_subprocess(server.model_dir, server.flags, log, env=env))
+            lines = log.read_text().splitlines()
+            server.run.cache_line = next((line for line in lines if line.startswith("KV cache: ")), "")
+            server.run.pool_line = next((line for line in lines if line.startswith("Paged cache ")), "")
+            started.append((server, url, process))
+        with ThreadPoolExecutor(len(started)) as pool:
+            futures = [
+                pool.submit(load, url, str(server.model_dir), server.prompts, args, deadline, server.run)
+                for server, url, _ in started
+            ]
+            for future in futures:
+                future.result()
+        for server, _, process in started:
+            server.run.peak_rss_mib = peak_rss_mib(process.pid)
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
@@ -245,15 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shape = json.loads(Path(args.shape).read_text())
     deadline = time.monotonic() + args.max_seconds
-    runs = []
     with tempfile.TemporaryDirectory(prefix="qkvshare-serve-load-") as tmp:
-        for variant in args.variants:
-            runs.append(bench_variant(variant, shape, Path(tmp), args, deadline))
-            print(f"{variant}: {runs[-1].cache_line}", flush=True)
-            if runs[-1].pool_line:
-                print(f"{variant}: {runs[-1].pool_line}", flush=True)
-            for error in runs[-1].errors[:3]:
-                print(f"  error: {error}", file=sys.stderr)
+        servers = [prepare(variant, shape, Path(tmp), args) for variant in args.variants]
+        bench(servers, Path(tmp), args, deadline)
+    runs = [server.run for server in servers]
+    for run in runs:
+        print(f"{run.variant}: {run.cache_line}" + (f"\n{run.variant}: {run.pool_line}" if run.pool_line else ""))
+        for error in run.errors[:3]:
+            print(f"  error: {error}", file=sys.stderr)
     rows = [run.row() for run in runs]
     mode = (
         f"continuous batching ({args.cb_cache_mib:g} MiB page pool, {args.cb_page_size}-token pages)"

@@ -54,7 +54,7 @@ from qkvshare_cli import main as cli_main
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
-    from transformers import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
 PREFILL_TOKENS = 16  # tokens of the startup prefill whose cache is measured for the log
 
@@ -126,15 +126,58 @@ def check_request_fields(body: dict, required: tuple[str, ...] = ()) -> None:
         raise HTTPException(status_code=400, detail="Invalid request: " + "; ".join(bad) + ".")
 
 
+# What transformers' continuous batching takes from each request: `max_new_tokens` and the stop token only
+# (`CBGenerateManager.add_request`); every other generation setting is the one config its manager was built with.
+# Setting -> what it means when unset (None, or an empty list or dict), as transformers' generation reads it.
+SHARED_WHEN_BATCHED = {"do_sample": False, "repetition_penalty": 1.0, "sequence_bias": None, "stop_strings": None}
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": None}  # matter only where one of the two configs samples
+
+
+def _setting(config: GenerationConfig, name: str, unset: Any) -> Any:
+    value = getattr(config, name)
+    return unset if value is None or value == [] or value == {} else value
+
+
+def batching_differences(requested: GenerationConfig, shared: GenerationConfig) -> list[str]:
+    """The settings of `requested` that continuous batching would not apply, generating with `shared` instead, as
+    "name=value (the server's: value)"."""
+    names = dict(SHARED_WHEN_BATCHED)
+    if _setting(requested, "do_sample", False) or _setting(shared, "do_sample", False):
+        names.update(SAMPLING)
+    values = {name: (_setting(requested, name, unset), _setting(shared, name, unset)) for name, unset in names.items()}
+    return [f"{name}={mine!r} (the server's: {theirs!r})" for name, (mine, theirs) in values.items() if mine != theirs]
+
+
 class CheckedRequests:
     """Mixin for transformers' request handlers: `check_request_fields` runs with transformers' own check of the
-    request, before the model is touched."""
+    request, before the model is touched; with continuous batching, a request that asks for generation settings it
+    would not apply (`batching_differences`) is an HTTP 400 too, where transformers would ignore them."""
 
     required: tuple[str, ...] = ()  # fields the endpoint cannot answer without
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The one generation config continuous batching applies to every request, set when it starts
+        # (`start_continuous_batching`); None while each request is generated with its own.
+        self.batching_generation: GenerationConfig | None = None
+
     def _validate_request(self, body: dict) -> None:
+        from fastapi import HTTPException
+
         super()._validate_request(body)  # transformers' check: unexpected fields are an HTTP 422
         check_request_fields(body, self.required)
+        if self.batching_generation is None:
+            return
+        requested = self._build_generation_config(body, self.batching_generation, use_cb=True)
+        differences = batching_differences(requested, self.batching_generation)
+        if differences:
+            raise HTTPException(
+                status_code=400,
+                detail=f"Invalid request: {'; '.join(differences)}. This server batches requests continuously, and "
+                "transformers' continuous batching generates every request with one generation config (the model's; "
+                "only max_tokens and the stop token are per request). Leave these fields out, or serve without "
+                "--continuous_batching.",
+            )
 
 
 class CheckedChatCompletionHandler(CheckedRequests, ChatCompletionHandler):
@@ -256,18 +299,21 @@ def continuous_batching_config(args: argparse.Namespace, device: str) -> Continu
 
 
 def start_continuous_batching(
-    state: GenerationState, handler: CheckedChatCompletionHandler, model: QKVShareForCausalLM, model_id: str
+    state: GenerationState, model: QKVShareForCausalLM, model_id: str, handlers: list[CheckedRequests]
 ) -> str:
     """Start the server's continuous-batching worker now (transformers starts it at the first request) and return
     the log line of its page pool: a model it cannot batch is refused at startup (`ValueError`), and the pool is
     sized before the first request waits for it.
 
     transformers' server gives its continuous batching the generation config of the first request for every request
-    (only max_tokens and the stop token are per request); started here, that is the model's own generation config.
+    (only max_tokens and the stop token are per request); started here, that is the model's own generation config,
+    and `handlers` refuse requests that ask for other settings (`CheckedRequests`).
     """
-    generation_config = handler._build_generation_config({}, model.generation_config, use_cb=True)
+    generation_config = handlers[0]._build_generation_config({}, model.generation_config, use_cb=True)
     manager = state.get_manager(model_id, use_cb=True)
     manager.init_cb(model, generation_config)  # the model's `init_continuous_batching`: our tied paged cache
+    for handler in handlers:
+        handler.batching_generation = generation_config
     deadline = time.monotonic() + CB_START_SECONDS
     while True:
         if not manager.is_alive():
@@ -307,22 +353,26 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, QKVShareForCausalLM, s
     model, _tokenizer = manager.load_model_and_processor(model_id)
     cb_config = continuous_batching_config(args, device) if args.continuous_batching else None
     state = GenerationState(continuous_batching=args.continuous_batching, cb_config=cb_config)
-    handlers = dict(model_manager=manager, generation_state=state)
-    chat = CheckedChatCompletionHandler(**handlers)
+    shared = dict(model_manager=manager, generation_state=state)
+    handlers = [
+        CheckedChatCompletionHandler(**shared),
+        CheckedCompletionHandler(**shared),
+        CheckedResponseHandler(**shared),
+    ]
     app = build_server(
         manager,
-        chat,
-        completion_handler=CheckedCompletionHandler(**handlers),
-        response_handler=CheckedResponseHandler(**handlers),
+        handlers[0],
+        completion_handler=handlers[1],
+        response_handler=handlers[2],
         transcription_handler=TranscriptionHandler(manager, state),
-        systemone_handler=SystemOneHandler(**handlers),
+        systemone_handler=SystemOneHandler(**shared),
         generation_state=state,
     )
     answer_errors_with_messages(app)
     if not args.continuous_batching:
         return app, model, None
     try:
-        return app, model, start_continuous_batching(state, chat, model, model_id)
+        return app, model, start_continuous_batching(state, model, model_id, handlers)
     except ValueError as err:  # a model or setting the tied paged cache refuses, with the reason
         raise ValueError(f"{err} Or serve without --continuous_batching (one generate() at a time).") from None
 

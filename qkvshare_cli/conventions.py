@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import types
 import typing
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 # Files of which a tokenizer folder holds at least one (fast, config, SentencePiece, BPE or WordPiece vocab).
@@ -174,3 +176,18 @@ def check_nonempty(args: Any, flags: Iterable[str]) -> None:
     for flag in flags:
         if getattr(args, flag) == []:
             raise ValueError(f"--{flag} is empty; give at least one value or leave the flag out.")
+
+
+def config_model_type(model_dir: str | Path, label: str, error: type[ValueError] = ValueError) -> Any:
+    """The `model_type` of a model directory's config.json, read with the standard library (a parser's check);
+    `error` naming `label` (how the message names the input) when there is no config.json or it does not parse."""
+    config = Path(model_dir).expanduser() / "config.json"
+    if not config.is_file():
+        raise error(
+            f"{label} is not a model directory (no config.json there); pass a directory written by save_pretrained "
+            "(e.g. a `qkvshare train` or `qkvshare convert` run)."
+        )
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise error(f"{label}: config.json does not parse ({err}); put back the one saved with the model.") from None

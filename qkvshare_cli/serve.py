@@ -17,10 +17,9 @@ chat template for the chat and response endpoints). Needs the 'serve' extra (fas
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from .conventions import TOKENIZER_FILES, HelpFormatter, add_dtype_argument
+from .conventions import TOKENIZER_FILES, HelpFormatter, add_dtype_argument, config_model_type
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -64,25 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 def check_model_dir(model_dir: str) -> None:
     """A `ValueError` naming `model_dir` unless it has a QKVShare config.json and tokenizer files (stdlib only:
     the weights are checked against the config when the command runs)."""
-    path = Path(model_dir)
-    config = path / "config.json"
-    if not config.is_file():
-        raise ValueError(
-            f"{model_dir!r} has no config.json: not a model directory. Pass a directory written by save_pretrained "
-            "(e.g. a `qkvshare train` run)."
-        )
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-        raise ValueError(
-            f"{config} is not a JSON object ({err}); put back the config.json saved with the model."
-        ) from None
+    model_type = config_model_type(model_dir, repr(model_dir))
     if model_type != "qkvshare":
         raise ValueError(
             f"{model_dir!r} holds a {model_type!r} model, not a QKVShare one (model_type 'qkvshare'); other models "
             "are served by `transformers serve`."
         )
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"{model_dir!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); the server answers text. Save the "
             "tokenizer next to the model: tokenizer.save_pretrained(MODEL_DIR)."

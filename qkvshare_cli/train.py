@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import difflib
 import importlib.util
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from .conventions import HelpFormatter, add_dataclass_arguments
+from .conventions import HelpFormatter, add_dataclass_arguments, config_model_type
 from .extras import extra_providing, install_command
 from .overrides import format_overrides, parse_overrides
 
@@ -358,16 +357,7 @@ def check_init_from(m: ModelArguments) -> None:
                 f"--{name} cannot be combined with --init_from {m.init_from!r}: the model is the directory's as saved. "
                 "Convert to another variant with `qkvshare convert`, or drop --init_from to train from scratch."
             )
-    config_file = Path(m.init_from).expanduser() / "config.json"
-    if not config_file.is_file():
-        raise TrainingSetupError(
-            f"--init_from {m.init_from!r} is not a model directory (no config.json there); pass a directory written "
-            "by `qkvshare convert` or `qkvshare train`."
-        )
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-        raise TrainingSetupError(f"--init_from {m.init_from!r}: config.json does not parse ({err}).") from None
+    model_type = config_model_type(m.init_from, f"--init_from {m.init_from!r}", TrainingSetupError)
     if model_type != "qkvshare":
         raise TrainingSetupError(
             f"--init_from {m.init_from!r} holds a model_type={model_type!r} model, not a QKVShare one; convert it "

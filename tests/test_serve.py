@@ -69,7 +69,7 @@ def reference(model_dir):
     model = QKVShareForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
 
-    def generate(content: str, chat: bool = True) -> tuple[str, int]:
+    def generate(content: str, chat: bool = True, **settings) -> tuple[str, int]:
         if chat:
             inputs = tok.apply_chat_template(
                 [{"role": "user", "content": content}],
@@ -79,7 +79,7 @@ def reference(model_dir):
             )
         else:
             inputs = tok(content, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **settings)
         prompt_len = inputs["input_ids"].shape[1]
         return tok.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
 
@@ -202,6 +202,21 @@ def test_two_concurrent_requests_both_complete(client, model_dir, reference):
     assert [a.choices[0].message.content for a in answers] == [reference(text)[0] for text in TEXTS[:2]]
 
 
+def test_a_setting_continuous_batching_would_not_apply_is_refused_there(server, client, model_dir, reference):
+    """frequency_penalty is transformers' repetition_penalty: applied per request by generate(); continuous batching
+    would generate with the server's one config instead, so there it is a 400 saying so."""
+    if server[0] == "generate":
+        answer = chat(client, model_dir, TEXTS[0], frequency_penalty=0.5)
+        assert answer.choices[0].message.content == reference(TEXTS[0], repetition_penalty=1.5)[0]
+        return
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, model_dir, TEXTS[0], frequency_penalty=0.5)
+    assert "repetition_penalty=1.5 (the server's: 1.0)" in caught.value.message
+    assert "Leave these fields out, or serve without --continuous_batching." in caught.value.message
+    neutral = chat(client, model_dir, TEXTS[0], frequency_penalty=0, temperature=0)  # what the server does anyway
+    assert neutral.choices[0].message.content == reference(TEXTS[0])[0]
+
+
 @pytest.mark.parametrize(
     "kwargs, status, message",
     [
@@ -259,7 +274,10 @@ def test_serve_refuses_a_directory_it_cannot_serve(tmp_path, model_dir, capsys):
     assert cli(["serve", str(tmp_path / "llama")]) == 2
     assert "holds a 'llama' model, not a QKVShare one" in capsys.readouterr().err
     assert cli(["serve", str(tmp_path)]) == 2
-    assert "has no config.json" in capsys.readouterr().err
+    assert "is not a model directory (no config.json there)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert cli(["serve", str(tmp_path)]) == 2
+    assert f"{str(tmp_path)!r}: config.json does not parse (" in capsys.readouterr().err
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()
     (no_tokenizer / "config.json").write_text((model_dir / "config.json").read_text())
