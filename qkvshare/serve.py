@@ -14,7 +14,14 @@ handlers, `build_server`, uvicorn) with three changes:
 
 What is served keeps the one-tensor cache: the server's sequential path calls `model.generate()`, which builds a
 `QKVShareCache` (tied layers hold one tensor). The startup log prints that cache's bytes per token, measured on a
-short prefill, next to the K-and-V-in-every-layer size of the same shape.
+short prefill, next to the K-and-V-in-every-layer size of the same shape. With `--continuous_batching` the server
+batches through the model's `init_continuous_batching`, on the tied paged cache (`QKVSharePagedCache`); its worker
+and page pool are started at startup (transformers starts them at the first request), so a model the pool cannot
+hold is refused before serving and the log gives the pool's size. transformers' continuous batching applies one
+generation config to every request, so a request asking for other settings is an HTTP 400 (`CheckedRequests`).
+
+This rests on transformers' serving modules, which are not public API: tested with
+`paged_cache_qkvshare.TESTED_TRANSFORMERS` (another version is warned about at startup).
 
 The server is pinned to the one model (transformers' `force_model`): requests name it as `/v1/models` lists it
 (the MODEL_DIR given on the command line); another name is an HTTP 400.
@@ -36,6 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
+from packaging.specifiers import SpecifierSet
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
@@ -49,6 +58,7 @@ from qkvshare.cache_qkvshare import CacheLayout, QKVShareCache
 from qkvshare.evaluation.common import default_device
 from qkvshare.model_dir import check_weights_fit_config
 from qkvshare.modeling_qkvshare import QKVShareForCausalLM
+from qkvshare.paged_cache_qkvshare import TESTED_TRANSFORMERS
 from qkvshare_cli import main as cli_main
 
 if TYPE_CHECKING:
@@ -434,6 +444,13 @@ def execute(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"qkvshare serve: error: {err}", file=sys.stderr)
         return 2
+    if not SpecifierSet(TESTED_TRANSFORMERS).contains(transformers.__version__, prereleases=True):
+        print(
+            f"qkvshare serve: warning: this server builds on transformers' serving modules (not public API), tested "
+            f"with transformers{TESTED_TRANSFORMERS}; {transformers.__version__} is installed. If it fails, install "
+            f'"transformers{TESTED_TRANSFORMERS}".',
+            file=sys.stderr,
+        )
     if args.seed is not None:
         torch.manual_seed(args.seed)
     try:

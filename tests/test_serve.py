@@ -268,6 +268,21 @@ def test_continuous_batching_refuses_what_the_paged_cache_cannot_hold_before_ser
     assert err.rstrip().endswith("Or serve without --continuous_batching (one generate() at a time).")
 
 
+def test_another_transformers_version_is_warned_about_at_startup(model_dir, monkeypatch, capsys):
+    """The server builds on transformers' serving modules (not public API): another version than the tested one
+    is named at startup, and the server still starts."""
+    import transformers
+    import uvicorn
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(options["port"]))
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    assert cli(["serve", str(model_dir), "--device", "cpu", "--port", "8123"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: this server builds on transformers' serving modules (not public API)" in err
+    assert "5.99.0 is installed" in err and served == [8123] and "KV cache: " in out
+
+
 def test_serve_refuses_a_directory_it_cannot_serve(tmp_path, model_dir, capsys):
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
