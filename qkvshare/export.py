@@ -18,7 +18,10 @@ Design notes
 - `greedy_generate` drives any of them (the eager wrapper, an ExportedProgram, an ExecuTorch method, an ONNX
   session) the same way, so tests and `qkvshare export` compare their tokens with `model.generate`.
 - The command (`qkvshare export`, `execute`) gets its arguments from `qkvshare_cli.export` (parsed without torch)
-  and checks the model directory's config.json (`check_model_dir`) before it loads the model.
+  and checks, before it loads the model, the model directory (`check_model_dir`: config.json, what the format
+  cannot hold, e.g. a sliding window, a cache too short for the token check) and the output (`check_output`: never
+  one of the model's own files, writable). It writes every output beside its place and moves it there when
+  complete (`write_beside`). `--format llama` and `gguf` (variants that are exactly Llama) are export_llama.py's.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class StaticCacheDecoder(nn.Module):
     Buffers (not persistent: never saved with the weights): `cache_{i}_keys` (B, H_kv, max_cache_len, D) for every
     layer i, `cache_{i}_values` of the same shape for untied layers only, `cache_{i}_length` (0-d int64), and
     `cache_positions_full_attention` (B, 1, max_cache_len, 1) int64 with its length when the config needs the key
-    positions (pre-RoPE ties, "+", ALiBi).
+    positions (pre-RoPE ties, "+", ALiBi, QV-Ka with RoPE). QV-Ka layers hold their context G in `cache_{i}_keys`
+    (B, 1, max_cache_len, d_ctx) and their values in `cache_{i}_values`.
     """
 
     def __init__(self, model: nn.Module, max_cache_len: int, batch_size: int = 1):
@@ -277,11 +281,11 @@ def check_model_dir(args: argparse.Namespace) -> str | None:
     """Check `args` against the model directory (config.json, the tokenizer; no weight is read) and fill the
     defaults that depend on it (`--max_cache_len`, `--output`); a `ValueError` naming the bad input. Returns
     llama.cpp's pre-tokenizer name of the model's tokenizer for `--format gguf`, else None."""
-    if read_config_json(args.model_dir).get("model_type") != "qkvshare":  # a ValueError when it is not a model
+    model_type = read_config_json(args.model_dir).get("model_type")  # a ValueError when it is not a model
+    if model_type != "qkvshare":
         raise ValueError(
-            f"{args.model_dir} holds a {read_config_json(args.model_dir).get('model_type')!r} model, not a QKVShare "
-            "one (model_type 'qkvshare'); pass a directory written by QKVShareForCausalLM.save_pretrained or "
-            "`qkvshare train`."
+            f"{args.model_dir} holds a {model_type!r} model, not a QKVShare one (model_type 'qkvshare'); pass a "
+            "directory written by QKVShareForCausalLM.save_pretrained or `qkvshare train`."
         )
     config = QKVShareConfig.from_pretrained(args.model_dir)
     pre_tokenizer = None

@@ -132,11 +132,11 @@ def check_output(model_dir: Path, format: str, output: str | None) -> Path:
     an existing file that is one of the model's files under another name (a link); a read-only file; a folder
     that does not exist or cannot be written; for llama, a folder that already holds files.
     """
-    suffix = FORMATS[format]
-    if output is None:
-        output = f"{model_dir}-llama" if format == "llama" else str(model_dir / f"model{suffix}")
+    suffix, source = FORMATS[format], model_dir.expanduser().resolve()
+    if output is None:  # a Llama folder beside the model directory (resolved: "." has no name to extend)
+        output = str(source.with_name(f"{source.name}-llama") if format == "llama" else model_dir / f"model{suffix}")
     path = Path(output).expanduser()
-    resolved, source = path.resolve(), model_dir.expanduser().resolve()
+    resolved = path.resolve()
     flag = f"--output {output}"
     if resolved == source or resolved in source.parents:
         raise ValueError(f"{flag} is the model directory {str(model_dir)!r} or holds it; choose another --output.")

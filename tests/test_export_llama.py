@@ -5,6 +5,7 @@ reason before its weights are read. Tiny models (hidden 32, fp32, CPU)."""
 
 import json
 import shutil
+from pathlib import Path
 
 import gguf
 import pytest
@@ -19,6 +20,7 @@ from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
 from qkvshare.export import write_beside
 from qkvshare.export_llama import gguf_pre_tokenizer, llama_problems, permute_for_llama_cpp, to_llama
 from qkvshare.train.tokenizer import train_bpe_tokenizer
+from qkvshare_cli.export import check_output
 
 WIDE = dict(hidden_size=32, initializer_range=0.3)  # large weights: logits far apart, greedy tokens vary
 PRE = dict(kv_tie_point="pre_rope")
@@ -207,6 +209,9 @@ def test_export_llama_and_gguf_refuse_before_reading_weights(tmp_path, monkeypat
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "plain-llama").exists() and (tmp_path / "taken" / "x").read_text() == "kept"
+    monkeypatch.chdir(plain)
+    assert check_output(Path("."), "llama", None) == tmp_path / "plain-llama"  # beside the model, never inside
+    assert check_output(Path("."), "gguf", None) == Path("model.gguf")
     assert json.loads((plain / "config.json").read_text())["model_type"] == "qkvshare"
 
 
