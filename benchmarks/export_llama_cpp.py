@@ -6,7 +6,7 @@
 
 Not part of CI: llama-cpp-python builds llama.cpp from source (tests/test_export_llama.py checks the files with
 transformers' GGUF reader instead). For each variant that is exactly a Llama model (QKV, GQA, Q=K-V, pre-RoPE
-Q-K=V, Q-MQA and Q=K=V, a per-layer mix), the script saves a random model of the `small` preset's shape with a
+Q-K=V, Q-MQA and Q=K=V, a per-layer mix, Q=K=V with random biases), the script saves a random model of the `small` preset's shape with a
 byte-level BPE trained on the embedded corpus (the tokenizer `qkvshare train` trains), and any `--model_dir` as
 it is; runs `qkvshare export --format gguf` for each `--dtypes`; loads the file with llama-cpp-python; and decodes
 greedily (the argmax of llama.cpp's logits, token by token) after prompts cut from the corpus' validation text.
@@ -51,6 +51,7 @@ VARIANTS = [
     ("Q-MQA pre-RoPE", "Q-MQA", PRE),
     ("Q=K=V pre-RoPE", "Q=K=V", PRE),
     ("mixed Q=K=V/Q-K=V/Q=K-V/QKV pre-RoPE", "QKV", {"layer_projection_sharing": ["qkv", "kv", "qk", "none"], **PRE}),
+    ("Q=K=V pre-RoPE, biases", "Q=K=V", {"attention_bias": True, "mlp_bias": True, **PRE}),
 ]
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -81,7 +82,12 @@ def random_models(work: Path, args: argparse.Namespace) -> list[tuple[str, Path]
         )
         torch.manual_seed(0)
         path = work / f"random-{len(dirs)}"
-        QKVShareForCausalLM._from_config(config).save_pretrained(path)
+        model = QKVShareForCausalLM._from_config(config)
+        with torch.no_grad():  # biases start at zero: random ones, so that llama.cpp's use of them is tested
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(0.0, args.init_std)
+        model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         dirs.append((f"{label} (random)", path))
     return dirs

@@ -408,9 +408,11 @@ def export_llama(args: argparse.Namespace, pre_tokenizer: str | None) -> int:
     config, element = model.config, torch.finfo(dtype).bits // 8
     key_value_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
     print(f"wrote {output} ({what}, {str(dtype).removeprefix('torch.')}): {size:,} bytes")
+    ours = config.kv_cache_bytes_per_token(element)
+    against = f"against {ours:,} in this {config.variant} model's cache (one tensor per tied layer)"
     print(
-        f"cache in the engines that run it: {key_value_bytes:,} bytes per token (K and V of every layer), against "
-        f"{config.kv_cache_bytes_per_token(element):,} in this {config.variant} model's one-tensor cache"
+        f"cache in the engines that run it: {key_value_bytes:,} bytes per token (K and V of every layer), "
+        + (against if ours < key_value_bytes else "as in this model's own cache (no tied layer)")
     )
     if not args.check_tokens:
         return 0

@@ -18,7 +18,13 @@ import qkvshare_cli
 from qkvshare import QKVShareForCausalLM
 from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
 from qkvshare.export import write_beside
-from qkvshare.export_llama import gguf_pre_tokenizer, llama_problems, permute_for_llama_cpp, to_llama
+from qkvshare.export_llama import (
+    gguf_pre_tokenizer,
+    gguf_problems,
+    llama_problems,
+    permute_for_llama_cpp,
+    to_llama,
+)
 from qkvshare.train.tokenizer import train_bpe_tokenizer
 from qkvshare_cli.export import check_output
 
@@ -112,13 +118,25 @@ def test_variants_that_are_not_llama_are_refused_with_the_reason(name):
     assert reason in problems, problems
 
 
+def test_gguf_refuses_what_llama_cpp_s_llama_graph_lacks():
+    assert gguf_problems(LLAMA_VARIANTS["Q-K=V/pre"]) == []
+    assert gguf_problems(LLAMA_VARIANTS["mixed/bias/tied/gelu"]) == [
+        "hidden_act='gelu' (llama.cpp's Llama MLP is SiLU-gated)"
+    ]
+    scaled = tiny(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, **WIDE)
+    assert gguf_problems(scaled) == ["rope_type='linear' (this GGUF export writes plain RoPE only)"]
+
+
 def test_export_llama_command_writes_a_llama_checkpoint(tied_model_dir, tmp_path, capsys):
     output = tmp_path / "llama"
     assert qkvshare_cli.main(["export", str(tied_model_dir), "--format", "llama", "--output", str(output)]) == 0
     out = capsys.readouterr().out
     assert f"wrote {output} (a LlamaForCausalLM checkpoint with its tokenizer, float32)" in out
     # a tied layer: K and V cached apart in Llama engines, one tensor here (2 layers, 4 heads of 8 channels, fp32)
-    assert "cache in the engines that run it: 512 bytes per token (K and V of every layer), against 256" in out
+    assert (
+        "cache in the engines that run it: 512 bytes per token (K and V of every layer), against 256 in this mixed"
+        in out
+    )
     assert "greedy tokens of the written model (read by LlamaForCausalLM; prompt logits within 0.0e+00)" in out
     assert out.rstrip().endswith("(8 after a 4-token prompt): identical")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]  # no temporary folder left beside it
