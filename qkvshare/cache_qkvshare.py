@@ -14,6 +14,7 @@ Design notes
       quantized, backend quanto / hqq  Quanto/HQQQuantizedLayer      TiedQuanto/TiedHQQQuantizedLayer (one quantized
                                                                      tensor plus one residual buffer)
       quantized, backend fp8           Fp8QuantizedLayer             TiedFp8QuantizedLayer
+  Continuous batching's paged cache has its tied form in paged_cache_qkvshare.py (`QKVSharePagedCache`).
 - With RoPE and `kv_tie_point="pre_rope"`, the stored tensor is the key projection's output before rotation
   (it is the value); the model rotates it on read. That needs the positions of the cached tokens, so the
   cache also keeps them when the config needs them (pre-RoPE ties, or the "+" attention-map encoding, whose
@@ -53,9 +54,9 @@ Design notes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.cache_utils import (
@@ -72,10 +73,14 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
+
+if TYPE_CHECKING:
+    from .paged_cache_qkvshare import PagedBatch
 
 
 class OneTensorLayerMixin:
@@ -271,12 +276,18 @@ class TiedStaticSlidingWindowLayer(TiedStaticLayer, StaticSlidingWindowLayer):
 
 
 class _TiedQuantizedLayerMixin(OneTensorLayerMixin):
-    """What the tied quantized layers share: one (empty) residual tensor at initialization, no batch edits."""
+    """What the tied quantized layers share: one (empty) residual tensor at initialization, a token counter that
+    every update advances, no batch edits."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.device = key_states.device
         self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))  # (B, H_kv, 0, D)
         self.is_initialized = True
+
+    def _start_update(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> bool:
+        first = super()._start_update(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]  # the length of a quantized layer is this count
+        return first
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError(
@@ -305,9 +316,7 @@ class TiedQuantizedLayerMixin(_TiedQuantizedLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new tied states (B, H_kv, T_new, D); return every token (dequantized + residual + new) twice."""
-        first = self._start_update(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        if first:
+        if self._start_update(key_states, value_states):
             self._quantized_keys = self._quantize(key_states.contiguous(), axis=self.axis_key)
             return key_states, key_states
         dequantized = self._dequantize(self._quantized_keys)
@@ -340,7 +349,7 @@ class TiedQuantoQuantizedLayer(TiedQuantizedLayerMixin, QuantoQuantizedLayer):
 class TiedHQQQuantizedLayer(TiedQuantizedLayerMixin, HQQQuantizedLayer):
     """Quantized (HQQ, int1-4 and int8) cache layer for a tied-K/V attention layer: one quantized tensor. Not in the
     test suite (hqq is not a test dependency: installed, transformers imports it in every process); checked by
-    `qkvshare bench --decode` (int8 cells: bytes equal theory) and the README's HQQ measurements."""
+    `qkvshare bench --decode` (int8 cells: bytes equal theory; docs/results.md, sections 8.2 and 9)."""
 
 
 class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
@@ -358,9 +367,7 @@ class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tied states in FP8; return every token dequantized, twice."""
-        first = self._start_update(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        if first:
+        if self._start_update(key_states, value_states):
             return key_states, key_states
         quantized, scale = self._quantized_keys
         new, _ = self._quantize(key_states, scale=scale)
@@ -653,21 +660,46 @@ KeyMaker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attended_states(
+    kv_tie_point: str | None,
     key: torch.Tensor,
     value: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
-    kv_tie_point: str | None,
+    rotation: Rotation | None,
     make_key: KeyMaker | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The key and value attention reads for the new tokens alone, from what `QKVShareCacheMixin.attend` takes (see
-    there; `rope` is the new tokens' cos/sin): what a layer computes without a cache, and what a transformers cache
-    stores (two tensors, whatever the layer ties)."""
+    there): what a layer computes without a cache, and what a transformers cache stores (two tensors, whatever the
+    layer ties). `kv_tie_point` says whether a tied value is the rotated key ("post_rope") or not ("pre_rope")."""
+    rope = rotation.new if rotation is not None else None
     if make_key is not None:  # QV-Ka: the key from the context and the value
         return rotate(make_key(key, value), rope), value
     rotated = rotate(key, rope)
     if value is key and kv_tie_point != "pre_rope":  # a post-RoPE tie: the value is the rotated key
         return rotated, rotated
     return rotated, value
+
+
+def attend_layer(
+    kind: str,
+    kv_tie_point: str | None,
+    layer: CacheLayerMixin,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotation: Rotation | None,
+    make_key: KeyMaker | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QKVShareCacheMixin.attend` for one cache layer of this kind (a key of `LAYER_CLASSES`) under this tie point:
+    what it stores and what attention reads back. Any layer with `update(key_states, value_states) -> (keys, values)` fits, so the paged
+    cache of continuous batching (paged_cache_qkvshare.py) stores through the same rules."""
+    if kind == "context_value":
+        context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
+        return rotate(make_key(context, value), rotation and rotation.keys), value
+    if kind == "tied":
+        if kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
+            stored, _ = layer.update(key, None)
+            return rotate(stored, rotation.keys), stored
+        stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
+        return stored, stored
+    return layer.update(rotate(key, rotation and rotation.new), value)
 
 
 class QKVShareCacheMixin:
@@ -778,16 +810,7 @@ class QKVShareCacheMixin:
         are recomputed and rotated on read), any other layer the rotated key and the value.
         """
         kind, layer = self.layout.layer_kinds[layer_idx], self.layers[layer_idx]
-        if kind == "context_value":
-            context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
-            return rotate(make_key(context, value), rotation and rotation.keys), value
-        if kind == "tied":
-            if self.layout.kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
-                stored, _ = layer.update(key, None)
-                return rotate(stored, rotation.keys), stored
-            stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
-            return stored, stored
-        return layer.update(rotate(key, rotation and rotation.new), value)
+        return attend_layer(kind, self.layout.kv_tie_point, layer, key, value, rotation, make_key)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds: the cached states (see `layer_nbytes`) plus the positions."""
@@ -990,7 +1013,8 @@ class QKVShareQuantizedCache(QKVShareCacheMixin, QuantizedCache):
             )
         packages = {  # backend: (package, is it installed, how to install it); fp8 needs none
             "quanto": ("optimum-quanto", is_optimum_quanto_available, 'pip install "qkvshare[quantized]"'),
-            "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: see the README
+            # not in [quantized]: once installed, hqq is imported by every import of transformers (seconds)
+            "hqq": ("hqq", is_hqq_available, "pip install hqq"),
         }
         package, installed, install = packages.get(backend, ("", None, ""))
         if installed is not None and not installed():
@@ -1021,41 +1045,43 @@ class ForeignCache:
         self.cache = cache  # the user's cache, filled in place
         self.layout = layout
 
+    def attend(self, layer_idx: int, *states: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`QKVShareCacheMixin.attend` (same arguments after `layer_idx`), storing the attended key and value of the
+        new tokens."""
+        return self.cache.update(*attended_states(self.layout.kv_tie_point, *states), layer_idx)
+
     def update_positions(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The new tokens' positions for every attention type: without recorded positions, that is all there is."""
         return dict.fromkeys(self.layout.present_attention_types, position_ids)
 
-    def attend(
-        self,
-        layer_idx: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotation: Rotation | None,
-        make_key: KeyMaker | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `QKVShareCacheMixin.attend`, storing the attended key and value of the new tokens."""
-        rope = rotation.new if rotation is not None else None
-        states = attended_states(key, value, rope, self.layout.kv_tie_point, make_key)
-        return self.cache.update(*states, layer_idx)
-
 
 def cache_for_model(
-    cache: Cache | None, config: QKVShareConfig, layout: CacheLayout
-) -> QKVShareCacheMixin | ForeignCache | None:
+    cache: Cache | PagedAttentionCache | None,
+    config: QKVShareConfig,
+    layout: CacheLayout,
+    batch: Mapping[str, Any] | None = None,
+) -> QKVShareCacheMixin | ForeignCache | PagedBatch | None:
     """The cache a model's layers write through, from the `cache` given to its forward: a QKVShare cache itself (after
-    checking it was built for this model), a transformers cache behind `ForeignCache`, or None.
+    checking it was built for this model), a transformers cache behind `ForeignCache`, this forward's `PagedBatch` of
+    a `QKVSharePagedCache` (continuous batching; `batch` is the forward's other keyword arguments, which carry the
+    batch's page indices), or None.
 
     Refuses, with a ValueError saying what to pass instead, a cache the model cannot use exactly: a QKVShare cache of
-    another layout; anything that is not a transformers `Cache`; any other cache with the linear kernel (its state
-    lives only in QKVShare caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do
-    not record positions, and assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another
-    number of layers. Cheap Python checks: no tensor is read.
+    another layout (paged or not); transformers' own `PagedAttentionCache` (K and V pages, no positions); anything
+    else that is not a transformers `Cache`; any other cache with the linear kernel (its state lives only in QKVShare
+    caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do not record positions, and
+    assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another number of layers. Cheap
+    Python checks: no tensor is read.
     """
     if cache is None:
         return None
     if isinstance(cache, QKVShareCacheMixin):
         cache.check_layout(layout)
         return cache
+    if isinstance(cache, PagedAttentionCache):  # continuous batching (generate_batch, its manager, a server)
+        from .paged_cache_qkvshare import paged_batch  # here: that module builds on this one
+
+        return paged_batch(cache, layout, batch or {})
     name = type(cache).__name__
     fix = (
         "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "

@@ -62,7 +62,6 @@ def eager_tokens(model, prompt: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- torch.compile
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_decode_step_compiles_to_one_graph_and_matches_eager(name, prompt):
     assert QKVShareForCausalLM._can_compile_fullgraph
@@ -120,7 +119,6 @@ def test_compiled_grouped_decode_step_reads_the_cache_without_repeating_it(promp
         torch.testing.assert_close(step(prompt[:, -1:]), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_generate_with_static_cache_and_compile_gives_the_eager_tokens(prompt):
     model = build("tied")
     expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache_implementation="static")
@@ -180,7 +178,6 @@ def test_early_initialization_gives_qv_ka_layers_their_context_and_value_shapes(
     assert cache.positions.shape == (2, SLOTS)  # with RoPE its keys are rotated on read at the cached positions
 
 
-@pytest.mark.slow
 def test_torch_export_of_prefill_and_decode_takes_the_static_tied_cache(prompt):
     model = build("plus")
 
@@ -231,7 +228,6 @@ def programs(request, tmp_path_factory):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("runner", ["decoder", "exported", "executorch", "onnx"])
 def test_exported_programs_generate_the_eager_tokens(programs, runner, prompt):
     expected = eager_tokens(programs["model"], prompt)
@@ -239,7 +235,6 @@ def test_exported_programs_generate_the_eager_tokens(programs, runner, prompt):
     assert torch.equal(greedy_generate(programs[runner], prompt, NEW), expected)  # a new prompt restarts at slot 0
 
 
-@pytest.mark.slow
 def test_export_wrapper_holds_one_buffer_per_tied_layer(programs):
     decoder = programs["decoder"]
     config = decoder.model.config
@@ -339,7 +334,6 @@ def test_export_command_refuses_bad_input_before_any_work(tmp_path, monkeypatch,
     assert (learned / "model.safetensors").read_bytes() == weights and locked.read_bytes() == b"kept"
 
 
-@pytest.mark.slow
 def test_export_command_writes_an_onnx_model_with_the_cache_bytes(tmp_path, capsys):
     build("tied").save_pretrained(tmp_path)
     output = tmp_path / "tied.onnx"
