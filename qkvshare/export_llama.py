@@ -39,6 +39,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from .configuration_qkvshare import QKVShareConfig
+from .train.model import llama_twin_config
 
 # The byte-level BPE pre-tokenizers (tokenizer.json, step by step) whose llama.cpp counterpart splits text with the
 # same regexes (llama.cpp src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2, LLAMA_VOCAB_PRE_TYPE_SMOLLM), by the name
@@ -160,27 +161,12 @@ def _pre_tokenizer_step(step: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- the Llama checkpoint
 def to_llama_config(config: QKVShareConfig, dtype: torch.dtype) -> LlamaConfig:
-    """The `LlamaConfig` of the same model (`config` must pass `llama_problems`)."""
-    return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
+    """The `LlamaConfig` of the same model (`config` must pass `llama_problems`): the shape's Llama twin, with the
+    init scale, dropout, architecture name and dtype a saved checkpoint carries."""
+    return llama_twin_config(
+        config,
         initializer_range=config.initializer_range,
-        rms_norm_eps=config.norm_eps,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters=dict(config.rope_parameters),
-        attention_bias=config.attention_bias,
         attention_dropout=config.attention_dropout,
-        mlp_bias=config.mlp_bias,
         architectures=["LlamaForCausalLM"],
         dtype=dtype,
     )
