@@ -861,7 +861,18 @@ class QKVShareCacheMixin:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        """Allocate every layer ahead of the first update (transformers' export recipes need it), positions too."""
+        """Allocate every layer ahead of the first update (transformers' export recipes need it), positions too.
+
+        `num_heads` and `head_dim` give the shape of the keys and values (transformers' arguments); QV-Ka layers
+        hold G of one head and d_ctx channels beside their values, so they are allocated from the layout."""
+        layout = self.layout
+        for kind, layer in zip(layout.layer_kinds, self.layers):
+            if kind == "context_value" and not layer.is_initialized:  # skipped below: already initialized
+                context = torch.zeros((batch_size, 1, 0, layout.key_context_dim), dtype=dtype, device=device)
+                value = torch.zeros(
+                    (batch_size, layout.num_key_value_heads, 0, layout.head_dim), dtype=dtype, device=device
+                )
+                layer.lazy_initialization(context, value)
         super().early_initialization(batch_size, num_heads, head_dim, dtype, device)
         for layer in self.position_layers.values():
             if not layer.is_initialized:

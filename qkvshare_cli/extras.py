@@ -41,7 +41,14 @@ EXTRAS: dict[str, dict[str, str]] = {
     # qkvshare serve: transformers' server (fastapi, uvicorn; starlette and pydantic come with fastapi) and the openai
     # package, whose types transformers' handlers build their answers with.
     "serve": {"fastapi": "fastapi", "uvicorn": "uvicorn", "openai": "openai"},
-    "export": {"executorch": "executorch", "onnx": "onnx", "onnxscript": "onnxscript", "onnxruntime": "onnxruntime"},
+    # qkvshare export: each --format checks the modules it needs (qkvshare_cli.export.FORMAT_MODULES)
+    "export": {
+        "executorch": "executorch",
+        "onnx": "onnx",
+        "onnxscript": "onnxscript",
+        "onnxruntime": "onnxruntime",
+        "gguf": "gguf",
+    },
 }
 
 
