@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cb_num_blocks",
         type=int,
         default=None,
-        help="continuous batching: blocks of the page pool, one page of every layer each (default on CPU: 128; "
+        help="continuous batching: blocks of the page pool, each page_size tokens of every layer (default on CPU: 128; "
         "elsewhere transformers' sizing from free memory)",
     )
     p.add_argument(
