@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -283,9 +282,7 @@ def train_layer(
     losses = []
     module.train()
     for step in range(start, settings.steps):
-        lr = get_lr(
-            step, peak_lr=settings.learning_rate, warmup_steps=settings.warmup_steps, max_steps=settings.steps
-        )
+        lr = get_lr(step, peak_lr=settings.learning_rate, warmup_steps=settings.warmup_steps, max_steps=settings.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         index = batch_indices(acts.blocks, settings.batch_size, settings.seed, layer, step)
