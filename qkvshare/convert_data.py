@@ -28,6 +28,7 @@ Splits
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import random
 import sysconfig
@@ -68,7 +69,9 @@ def pieces(text: str, max_chars: int = MAX_DOCUMENT_CHARS) -> list[str]:
     return [piece for piece in out if piece.strip()]
 
 
+@functools.cache
 def _stdlib_sources() -> tuple[Path, list[Path]]:
+    """The standard library's .py files, listed once per process (a directory walk of about a thousand files)."""
     from qkvshare.train.data import stdlib_files
 
     return stdlib_files()

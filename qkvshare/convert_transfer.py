@@ -322,8 +322,11 @@ def run_stages(
     measured on `validation_ids` (both (n, T) blocks of the source's tokens). With `work_dir`, every finished layer
     and stage (b)'s layer in progress are saved there and a rerun continues from them.
 
-    Returns {"layer_errors": {stage: [error per layer or None]}, "stages": {stage: {tokens, seconds, ...}}}, with
-    stage in `STAGES` for the stages run; layers not in `layers` have None.
+    A stage's result for a layer is kept only when it lowers that layer's validation error (else the layer stays as
+    it was, listed under "not_kept"), so no stage makes a layer worse on text it did not fit.
+
+    Returns {"layer_errors": {stage: [error per layer or None]}, "stages": {stage: {tokens, seconds, ...}},
+    "not_kept": {stage: [layers]}}, with stage in `STAGES` for the stages run; layers not in `layers` have None.
     """
     files = StageFiles(work_dir)
     record = files.load_errors() or {"layer_errors": {}, "stages": {}}
@@ -338,19 +341,30 @@ def run_stages(
         errors[stage] = [layer_error(attention[i], validation, i) if i in layers else None for i in range(count)]
         files.save_errors(record)
 
+    def keep_if_better(stage: str, i: int, before: dict[str, torch.Tensor], previous: str) -> None:
+        """A stage's result for layer i stays only if it lowers the layer's error on the validation tokens (a
+        fit that overfits its calibration text is undone); the layer's file holds what was kept."""
+        if layer_error(attention[i], validation, i) >= errors[previous][i]:
+            attention[i].load_state_dict(before)
+            record.setdefault("not_kept", {}).setdefault(stage, []).append(i)
+            files.save_errors(record)
+        files.save_layer(stage, i, attention[i])
+
     if "init" not in errors:
         measure("init")
     need_train = (settings.closed_form and "closed_form" not in errors) or (
         settings.steps > 0 and "transfer" not in errors
     )
     train = source_activations(source, train_ids, settings.batch_size) if need_train else None
+    previous = "init"
 
     if settings.closed_form:
         started = time.perf_counter()
         for i in tqdm(layers, desc="closed form", disable=not progress, leave=False):
             if not files.load_layer("closed_form", i, attention[i]):
+                before = _copy_state(attention[i])
                 fit_o_proj(attention[i], train, i, settings.ridge)
-                files.save_layer("closed_form", i, attention[i])
+                keep_if_better("closed_form", i, before, previous)
         if "closed_form" not in errors:
             record["stages"]["closed_form"] = {
                 "tokens": int(train.tokens),
@@ -358,6 +372,7 @@ def run_stages(
                 "seconds": round(time.perf_counter() - started, 2),
             }
             measure("closed_form")
+        previous = "closed_form"
 
     if settings.steps > 0:
         started = time.perf_counter()
@@ -367,8 +382,9 @@ def run_stages(
             if files.load_layer("transfer", i, attention[i]):
                 bar.update(settings.steps)
                 continue
+            before = _copy_state(attention[i])
             losses = train_layer(attention[i], train, i, settings, files, bar, on_step)
-            files.save_layer("transfer", i, attention[i])
+            keep_if_better("transfer", i, before, previous)
             files.clear_progress()
             if losses:
                 final_losses[str(i)] = losses[-1]
@@ -383,3 +399,7 @@ def run_stages(
             }
             measure("transfer")
     return record
+
+
+def _copy_state(module: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
