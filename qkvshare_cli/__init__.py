@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import extras
+from .conventions import report_bad_input
 from .quiet import hide_known_harmless_logs
 
 
@@ -204,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         return _exit_status(exit_.code)
     except ValueError as err:
-        print(f"qkvshare {name}: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input(name, err)
     message = _missing_extras(command)
     if message:
         print(f"qkvshare {name}: error: {message}", file=sys.stderr)

@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--rss_context", type=int, default=16384, help="--decode: prompt length of the peak-RSS runs (0: none)"
     )
     p.add_argument("--rss_models", nargs="+", default=["Llama", "Q-K=V"], help="--decode: models of the RSS runs")
+    p.add_argument(
+        "--decode_plot",
+        default=None,
+        metavar="PNG",
+        help="--decode: the figure (decode time and cache memory against context length); default decode.png in "
+        "--output_dir",
+    )
     p.add_argument("--rss_timeout", type=float, default=1800.0, help="--decode: seconds allowed per RSS process")
     p.add_argument("--budget_mib", type=float, default=1024.0, help="KV-cache memory budget for the capacity table")
     p.add_argument("--capacity_context", type=int, default=None, help="context of 'largest batch' (default: longest)")

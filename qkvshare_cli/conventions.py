@@ -1,5 +1,6 @@
 """The command-line conventions every `qkvshare` command follows: help layout, `--dtype` names, file names, flags
-built from typed argument dataclasses, and the checks several commands share.
+built from typed argument dataclasses, the checks several commands share, and how bad input is reported (one
+paragraph on stderr, exit status 2).
 
 Standard library only, like every module of `qkvshare_cli`. (`qkvshare.analysis.conventions.torch_dtype` turns a
 `--dtype` name into a `torch.dtype` once a command runs.)
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 import types
 import typing
 from collections.abc import Iterable
@@ -27,6 +29,13 @@ def slug(name: str) -> str:
     s = name.replace("=", "_eq_").replace("(", "").replace(")", "").replace("+", "_plus")
     s = re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("._")
     return s or "_"
+
+
+def report_bad_input(command: str, err: BaseException) -> int:
+    """Print what is wrong with a command's input as one paragraph on stderr (``qkvshare <command>: error: ...``,
+    newlines folded) and return the exit status of bad input, 2."""
+    print(f"qkvshare {command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+    return 2
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -11,6 +11,7 @@ import torch
 
 from qkvshare.analysis import bench, bench_decode
 from qkvshare.configuration_qkvshare import QKVShareConfig
+from qkvshare_cli.bench import parse_args as parse_bench_args
 
 CPU = torch.device("cpu")
 # tiny: 2 layers, 4 heads of 16, 4 kv heads; fp32
@@ -53,14 +54,23 @@ def test_fill_and_bytes_equal_theory(tiny_rows, name, kind, per_layer):
     assert len(cell.ms_per_token) == 1 and cell.ms_per_token[0] > 0
 
 
-def test_fill_writes_through_update(tiny_rows):
+def test_fill_writes_as_the_layers_do(tiny_rows):
     row = next(r for r in tiny_rows if r.name == "Q-K=V")
     cache = bench_decode.build_cache(row.model, "dynamic", 1, 10)
     bench_decode.fill_cache(row, cache, 1, 10, CPU, torch.float32)
     assert type(cache).__name__ == "QKVShareCache" and cache.get_seq_length() == 10
     assert all(layer.values is None and layer.keys.shape == (1, HEADS, 10, HEAD_DIM) for layer in cache.layers)
     static = bench_decode.build_cache(row.model, "static", 1, 30)
+    bench_decode.fill_cache(row, static, 1, 10, CPU, torch.float32)
     assert type(static).__name__ == "QKVShareStaticCache" and static.max_cache_len == 30
+    assert static.get_seq_length() == 10 and static.nbytes() == LAYERS * HEADS * 30 * HEAD_DIM * 4  # one tensor
+    # a pre-RoPE tie keeps the positions of the cached tokens: 0..9, 8 bytes each on top of the one tensor per layer
+    base = QKVShareConfig.from_preset("tiny", kv_tie_point="pre_rope")
+    (pre,) = bench_decode.build_models(base, ["Q-K=V"], ["dynamic"], CPU, torch.float32, 0)
+    cache = bench_decode.build_cache(pre.model, "dynamic", 2, 10)
+    bench_decode.fill_cache(pre, cache, 2, 10, CPU, torch.float32)
+    assert torch.equal(cache.positions, torch.arange(10).expand(2, -1))
+    assert cache.nbytes() == LAYERS * 2 * HEADS * 10 * HEAD_DIM * 4 + 8 * 2 * 10
 
 
 def test_failing_cell_is_na_and_others_run(tiny_rows, monkeypatch):
@@ -102,6 +112,60 @@ def test_decode_command_end_to_end(tmp_path):
             assert "hqq" in r["error"] if r["error"] else r["bytes_equal_theory"], r
     md = (out / "decode.md").read_text()
     assert "### Decode ms per token and cache bytes" in md and "Method:" in md and "- cache bytes == theory" in md
+    assert "target" not in md.lower() and all("target" not in key for key in report["decode"][0])
+
+
+def _png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (a ValueError when the file is not a PNG)."""
+    data = path.read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise ValueError(f"{path} is not a PNG")
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_decode_figure_is_the_table(tmp_path):
+    out, png = tmp_path / "decode", tmp_path / "figs" / "decode-small.png"
+    argv = ["--decode", "--preset", "tiny", "--context_lens", "16", "8", "--batch_sizes", "2", "1", "--new_tokens"]
+    argv += ["1", "--repeats", "1", "--decode_caches", "dynamic", "static", "--rss_context", "0"]
+    assert bench.main(argv + ["--output_dir", str(out), "--decode_plot", str(png)]) == 0
+    assert _png_size(png) == (1440, 540)  # two 6 x 4.5 inch panels at 120 dpi
+    report = json.loads((out / "decode.json").read_text())
+    figure = report["figure"]
+    assert (figure["path"], figure["batch"], figure["cache"]) == (str(png), 1, "dynamic")
+    # the time panel: the ms the markdown table prints for batch 1, dynamic cache
+    printed = {}
+    for line in (out / "decode.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and cells[0] == "1" and cells[4] == "dynamic":
+            printed.setdefault(cells[2], []).append((int(cells[1]), cells[5].split()[0]))
+    times = figure["panels"][bench_decode.FIGURE_TIME]
+    assert sorted(times) == sorted(printed) == sorted(["Llama", "none", "Q-K=V", "Q-GQA-1"])
+    for model, (xs, ys) in times.items():
+        assert xs == [8, 16] and [(x, f"{y:.2f}") for x, y in zip(xs, ys)] == printed[model]
+    # the cache panel: MiB held, by hand: layers x tensors x (1, kv heads, context, 16) fp32
+    tensors_heads = {"Llama": 2 * HEADS, "none": 2 * HEADS, "Q-K=V": HEADS, "Q-GQA-1": 1}
+    cache = figure["panels"][bench_decode.FIGURE_CACHE]
+    for model, (xs, ys) in cache.items():
+        assert xs == [8, 16] and ys == [LAYERS * tensors_heads[model] * T * HEAD_DIM * 4 / 2**20 for T in xs]
+
+
+def test_figure_data_leaves_out_na_cells():
+    def row(model, context, ms, error=None):
+        return {
+            "model": model,
+            "batch": 1,
+            "cache": "dynamic",
+            "context": context,
+            "ms_per_token": ms,
+            "error": error,
+            "cache_bytes": None if error else 2**20 * context,
+        }
+
+    summary = [row("Llama", 16, 2.0), row("Llama", 8, 1.0), row("Q-K=V", 8, None, "boom"), row("Q-K=V", 16, 1.5)]
+    summary.append({**row("Llama", 32, 9.0), "batch": 2})
+    panels = bench_decode.figure_data(summary, 1, "dynamic")
+    assert panels[bench_decode.FIGURE_TIME] == {"Llama": ([8, 16], [1.0, 2.0]), "Q-K=V": ([16], [1.5])}
+    assert panels[bench_decode.FIGURE_CACHE] == {"Llama": ([8, 16], [8.0, 16.0]), "Q-K=V": ([16], [16.0])}
 
 
 def test_rss_child_in_process():
@@ -113,16 +177,33 @@ def test_rss_child_in_process():
     assert got["weights_bytes"] == 4 * n
 
 
-def test_rss_verdict_arithmetic(tiny_rows):
+def test_rss_comparison_arithmetic(tiny_rows):
     # Q-K=V caches one (1, 4, T, 16) fp32 tensor per layer where Llama caches two: 1 KiB per token less in all.
     rows = [
         {"model": m, "context": 1000, "generated": 24, "peak_rss": p, "rss_before_generate": 1, "weights_bytes": w}
         for m, p, w in (("Llama", 5 * 2**20, 300), ("Q-K=V", 4 * 2**20, 200))
     ]
-    table, verdict = bench_decode.rss_table(rows, tiny_rows, 4)
-    assert verdict["cache_difference"] == LAYERS * HEADS * HEAD_DIM * 4 * 1024 == 2**19
-    assert verdict["peak_rss_saved"] == 2**20 and verdict["fraction"] == 2.0 and verdict["target_met"]
-    assert verdict["weights_difference"] == 100 and "| Q-K=V |" in table
+    versus = bench_decode.rss_comparisons(rows, tiny_rows, 4)
+    assert list(versus) == ["Q-K=V"]
+    v = versus["Q-K=V"]
+    assert v["cache_difference"] == LAYERS * HEADS * HEAD_DIM * 4 * 1024 == 2**19
+    assert v["peak_rss_saved"] == 2**20 and v["fraction"] == 2.0 and v["weights_difference"] == 100
+    table = bench_decode.rss_table(rows, tiny_rows, 4)
+    qkv_line = next(line for line in table.splitlines() if line.startswith("| Q-K=V |"))
+    assert qkv_line.split(" | ")[-3:] == ["1.0", "0.5", "2.00 |"]  # MiB below Llama, cache MiB below, fraction
+
+
+def test_a_variant_name_means_one_config_in_bench_and_bench_decode():
+    # On a GQA base (2 key/value heads of 4), Q-K=V keeps the base's key/value heads in both benchmarks.
+    argv = ["--preset", "tiny", "--override", "num_key_value_heads=2", "--variants", "Q-K=V", "QKV", "Q-MQA"]
+    setup = bench.resolve_setup(parse_bench_args(argv))
+    from_bench = dict(setup.variants)
+    rows = bench_decode.build_models(setup.base, ["Q-K=V", "none", "Q-MQA"], ["dynamic"], CPU, torch.float32, 0)
+    from_decode = {r.name: r.config for r in rows}
+    for bench_name, decode_name in (("Q-K=V", "Q-K=V"), ("QKV", "none"), ("Q-MQA", "Q-MQA")):
+        assert from_bench[bench_name].to_diff_dict() == from_decode[decode_name].to_diff_dict(), bench_name
+    assert [from_bench[n].num_key_value_heads for n in ("Q-K=V", "QKV", "Q-MQA")] == [2, 2, 1]
+    assert from_bench["Q-K=V"].variant == "Q-GQA-2" and from_bench["Q-K=V"].projection_sharing == "kv"
 
 
 @pytest.mark.parametrize(

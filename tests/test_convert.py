@@ -329,6 +329,52 @@ def test_cli_bad_inputs_exit_2_with_one_paragraph(source_dir, corpus, tmp_path, 
     assert not Path(out).exists()
 
 
+def test_cli_convert_fills_fields_left_out_of_config_json_as_transformers_does(tmp_path, capsys):
+    # LlamaConfig defaults num_attention_heads to 32, so a config.json may leave it out; transformers then loads 32
+    # heads, and so must convert (it ended in a KeyError).
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=32 * 4, intermediate_size=64, num_hidden_layers=1, num_key_value_heads=8)
+    source = LlamaForCausalLM(LlamaConfig(num_attention_heads=32, **shape)).eval()
+    src = tmp_path / "llama"
+    source.save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    del config["num_attention_heads"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert LlamaForCausalLM.from_pretrained(src).config.num_attention_heads == 32
+    out = tmp_path / "converted"
+    assert qkvshare_cli.main(["convert", str(src), "--variant", "QKV", "--output_dir", str(out)]) == 0, (
+        capsys.readouterr()
+    )
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    assert (converted.config.num_attention_heads, converted.config.num_key_value_heads) == (32, 8)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x).logits, source(x).logits, rtol=0, atol=0)
+    from qkvshare.analysis.common import config_from_model_dir
+
+    assert config_from_model_dir(src).num_attention_heads == 32  # `qkvshare costs/bench --model_dir` read it alike
+
+
+def test_cli_convert_refuses_a_source_without_weights_or_with_a_bad_config(tmp_path, capsys):
+    empty = tmp_path / "no-weights"
+    LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1).save_pretrained(empty)
+    bad = tmp_path / "bad-heads"
+    bad.mkdir()
+    config = json.loads((empty / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(config, num_attention_heads=3)))
+    out = tmp_path / "out"
+    cases = {
+        empty: f"model directory {str(empty)!r} has no weights",
+        bad: f"{bad / 'config.json'} is not a valid llama config: ",
+    }
+    for source, message in cases.items():
+        assert qkvshare_cli.main(["convert", str(source), "--variant", "QKV", "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert "hidden size (64) is not a multiple of the number of attention heads (3)" in err
+    assert not out.exists()
+
+
 def test_init_from_bad_inputs(source_dir, corpus, tmp_path, capsys):
     converted = tmp_path / "converted"
     model, record = convert(LlamaForCausalLM.from_pretrained(source_dir), "Q-K=V", "key")

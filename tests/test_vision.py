@@ -4,6 +4,7 @@ local Hugging Face datasets). Tiny configs, fp32, CPU."""
 
 import copy
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -161,6 +162,19 @@ def test_bad_inputs_and_fields_raise_value_errors():
         tiny_vit(image_size=10, patch_size=4)
     with pytest.raises(ValueError, match="built without token embeddings"):
         model.model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_qv_ka_is_a_vision_variant():
+    # `qkvshare vision --variants QV-Ka` was refused with "pass head_dim", an argument the command does not have.
+    args = vision_run.VisionArgs(variants=["QV-Ka", "(QV-Ka)+"], hidden_size=32, heads=2, seeds=[0])
+    vision_run.validate(args)
+    for task, m in (("classify", 50), ("sets", vision_run.SET_ATTENTION_MAP_PE_DIM)):
+        cells = vision_run.make_cells(dataclasses.replace(args, task=task), "digits", 2)
+        configs = [vision_run.build_config(cell, 10, 8) for cell in cells]
+        assert [(c.variant, c.key_context_dim, c.attention_map_pe_dim) for c in configs] == [
+            ("QV-Ka", 16, 0),
+            ("(QV-Ka)+", 16, m),
+        ], task
 
 
 def test_save_load_auto_and_pipeline(tmp_path):

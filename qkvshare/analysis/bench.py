@@ -24,11 +24,8 @@ from transformers import LlamaForCausalLM
 from qkvshare import QKVShareForCausalLM
 from qkvshare.analysis import bench_decode
 from qkvshare.analysis.common import (
-    base_config,
-    check_variants,
-    default_variants,
+    base_and_variants,
     markdown_table,
-    parse_overrides,
     variant_config,
     with_fields,
 )
@@ -37,6 +34,7 @@ from qkvshare.analysis.plotting import line_plot
 from qkvshare.train.model import count_parameters, llama_twin_config
 from qkvshare_cli import main as cli_main
 from qkvshare_cli.bench import shape_preset
+from qkvshare_cli.conventions import report_bad_input
 
 
 @dataclass
@@ -574,7 +572,7 @@ def plots(report: dict[str, Any], output_dir: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------------------
 def resolve_setup(args: argparse.Namespace) -> Setup:
     """Build the configs and check what `parse_args` could not; a `ValueError` naming the option, before any model."""
-    base = base_config(shape_preset(args), args.model_dir, parse_overrides(args.override))
+    base, variants = base_and_variants(shape_preset(args), args.model_dir, args.override, args.variants, plus=False)
     longest = max(args.context_lens + [args.train_seq_len]) + args.new_tokens
     if base.max_position_embeddings < longest:  # RoPE/none: only a config limit; learned: needs the rows
         base = with_fields(base, max_position_embeddings=longest)
@@ -585,10 +583,9 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
         for name in args.decode_models:  # a ValueError naming a bad row before any model is built
             if name != "Llama":
                 try:
-                    bench_decode.decode_variant_config(base, name)
+                    variant_config(base, name)
                 except ValueError as err:
                     raise ValueError(f"--decode_models {name!r}: {err}") from None
-    variants = check_variants(base, args.variants or default_variants(base, plus=False))
     tie_points = list(dict.fromkeys(args.kv_tie_points or [base.kv_tie_point]))
 
     if args.device == "auto":
@@ -605,13 +602,18 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu.")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    output_dir = Path(args.output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create --output_dir {args.output_dir!r} ({err}).") from None
     return Setup(
         base=base,
         variants=variant_configs(base, variants, tie_points),
         device=device,
         dtype_name=dtype_name,
         clock=time.process_time if args.timer == "cpu" else time.perf_counter,
-        output_dir=Path(args.output_dir),
+        output_dir=output_dir,
     )
 
 
@@ -723,13 +725,8 @@ def execute(args: argparse.Namespace) -> int:
     """`qkvshare bench` with its parsed arguments: check, build the models, measure, write."""
     try:
         setup = resolve_setup(args)
-        setup.output_dir.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
-        print(f"qkvshare bench: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"qkvshare bench: cannot create --output_dir {args.output_dir!r} ({err}).", file=sys.stderr)
-        return 2
+        return report_bad_input("bench", err)
 
     if args.threads:
         torch.set_num_threads(args.threads)

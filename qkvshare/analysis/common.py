@@ -5,8 +5,9 @@ The command-line conventions of every command (help layout, `--dtype` names, fil
 
 Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
-  variant is the base with only the sharing fields replaced (`projection_sharing`, `num_key_value_heads`,
-  `attention_map_pe_dim`, `key_context_dim`; per-layer mixes are cleared). So every variant of one table has the same shape.
+  variant is the base with only the sharing fields replaced, as the config module's `resolve_variant` gives them
+  (`projection_sharing`, `num_key_value_heads`, `attention_map_pe_dim`, `key_context_dim`; per-layer mixes are
+  cleared). So every variant of one table has the same shape, and a name means the same config in every command.
 - Llama-architecture config.json files (model_type llama/mistral/qwen2) map onto the Llama-style QKVShare fields
   (`QKVShareConfig.from_llama`), so the tools accept any such checkpoint directory.
 """
@@ -14,11 +15,13 @@ Design notes
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, QKVShareConfig, parse_variant
+from transformers import CONFIG_MAPPING
+
+from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, SHARING_MODES, QKVShareConfig, resolve_variant
 from qkvshare.evaluation.common import read_config_json
 from qkvshare_cli.conventions import check_shape_source
 from qkvshare_cli.overrides import parse_overrides as parse_override_items
@@ -47,11 +50,23 @@ def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
         fields = model_fields()
         return QKVShareConfig(**{k: v for k, v in d.items() if k in fields})
     if model_type in LLAMA_ARCHITECTURES:
-        return QKVShareConfig.from_llama(d)
+        return QKVShareConfig.from_llama(llama_config_dict(d, str(Path(model_dir) / "config.json")))
     raise ValueError(
         f"{model_dir!s}: model_type={model_type!r} is not supported; expected 'qkvshare' or a Llama-architecture "
         f"model ({', '.join(map(repr, LLAMA_ARCHITECTURES))})."
     )
+
+
+def llama_config_dict(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A Llama-architecture config.json dict (`LLAMA_ARCHITECTURES`, checked by the caller) read through transformers'
+    config class of its model_type: the fields the file leaves out get that class's defaults (32 attention heads for
+    Llama), as the model `from_pretrained` builds gets them. A `ValueError` naming ``where`` when the class refuses it.
+    """
+    try:
+        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
+    except Exception as err:  # its validators raise huggingface_hub's StrictDataclassError, ZeroDivisionError, ...
+        reason = " ".join(str(err).split())
+        raise ValueError(f"{where} is not a valid {config['model_type']} config: {reason}") from None
 
 
 def base_config(preset: str | None = None, model_dir: str | None = None, overrides: dict[str, Any] | None = None):
@@ -63,6 +78,19 @@ def base_config(preset: str | None = None, model_dir: str | None = None, overrid
     return with_fields(base, **(overrides or {})) if overrides else base
 
 
+def base_and_variants(
+    preset: str | None,
+    model_dir: str | None,
+    override_items: Iterable[str] | None,
+    variants: Sequence[str] | None,
+    plus: bool,
+) -> tuple[QKVShareConfig, list[str]]:
+    """A command's base config (`base_config` with its `--override` items) and the variant names to measure on it:
+    ``variants``, or `default_variants` of the base (with ``plus``); each name checked (a ValueError naming it)."""
+    base = base_config(preset, model_dir, parse_overrides(override_items))
+    return base, check_variants(base, variants or default_variants(base, plus))
+
+
 def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
     """A copy of ``config`` with some model fields replaced (validated like any new config)."""
     values = {k: getattr(config, k) for k in model_fields()} | fields
@@ -70,11 +98,11 @@ def with_fields(config: QKVShareConfig, **fields: Any) -> QKVShareConfig:
 
 
 def variant_config(base: QKVShareConfig, variant: str) -> QKVShareConfig:
-    """``base`` turned into the paper variant ``variant`` (same shape; only the sharing fields change)."""
-    parsed = parse_variant(variant, base.num_attention_heads, base.head_dim)
-    if not parsed["attention_map_pe_dim"]:
-        parsed["attention_map_pe_dim"] = 0
-    return with_fields(base, layer_projection_sharing=None, **parsed)
+    """``base`` turned into the paper variant ``variant`` (`resolve_variant`: same shape, only the sharing fields
+    change; a name without a head count keeps the base's key/value heads). A `projection_sharing` value ("none",
+    "qk", "kv", "qkv") is taken as its mode's paper name."""
+    name = SHARING_MODES[variant].paper_name if variant in SHARING_MODES else variant
+    return with_fields(base, **resolve_variant(name, base))
 
 
 def default_gqa_groups(num_heads: int) -> int | None:
@@ -108,14 +136,6 @@ def check_variants(base: QKVShareConfig, variants: Sequence[str]) -> list[str]:
     for v in variants:
         variant_config(base, v)
     return list(variants)
-
-
-def human(n: float, unit: str = "") -> str:
-    """1234567 -> '1.23M' (decimal prefixes, as the paper writes GB and G MACs)."""
-    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{prefix}{unit}"
-    return f"{n:g}{unit}"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -39,7 +39,7 @@ from qkvshare.analysis.plotting import line_plot
 from qkvshare.configuration_qkvshare import QKVShareConfig
 from qkvshare_cli import main as cli_main
 from qkvshare_cli.compare import SHARED_TRAIN_FLAGS
-from qkvshare_cli.conventions import slug
+from qkvshare_cli.conventions import report_bad_input, slug
 
 
 def ordered_variants(preset: str, given: list[str] | None) -> list[str]:
@@ -259,8 +259,7 @@ def execute(parsed: tuple[argparse.Namespace, list[str]]) -> int:
         if not args.table_only:
             check_settings(output_dir, {"train_args": train_args, "variants": [label for label, _, _ in plan]})
     except ValueError as err:
-        print(f"qkvshare compare: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("compare", err)
 
     if not args.table_only:
         tokenizer = None

@@ -44,15 +44,13 @@ import torch
 
 from qkvshare import QKVShareForCausalLM
 from qkvshare.analysis.common import (
-    base_config,
-    check_variants,
-    default_variants,
+    base_and_variants,
     markdown_table,
-    parse_overrides,
     variant_config,
 )
 from qkvshare.configuration_qkvshare import QKVShareConfig
 from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input
 from qkvshare_cli.costs import BYTES_PER_ELEMENT, DEFAULT_CONTEXT_LENS, DEFAULT_SEQ_LENS
 
 
@@ -60,22 +58,21 @@ from qkvshare_cli.costs import BYTES_PER_ELEMENT, DEFAULT_CONTEXT_LENS, DEFAULT_
 # parameters
 # ----------------------------------------------------------------------------------------------------------------
 def attention_projection_shapes(config: QKVShareConfig, layer_idx: int) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection layer ``layer_idx`` has; a projection its sharing mode drops is absent. QV-Ka's
-    ``k_mix`` (no bias) is listed as a (d_ctx + D) -> H x D map: its parameters and per-token MACs."""
+    """(in, out) of each projection layer ``layer_idx`` has, by its Llama name (`config.layer_projections`: a
+    projection its sharing mode drops is absent). QV-Ka's ``k_mix`` (no bias) is listed as a (d_ctx + D) -> H x D
+    map: its parameters and per-token MACs."""
     d, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
     kv_out = config.num_key_value_heads * config.head_dim
-    if config.key_context_dim:
-        d_ctx = config.key_context_dim
-        return {
-            "q": (d, q_out),
-            "ctx": (d, d_ctx),
-            "v": (d, kv_out),
-            "k_mix": (d_ctx + config.head_dim, kv_out),
-            "o": (q_out, d),
-        }
-    present = {"none": "qkvo", "qk": "kvo", "kv": "qko", "qkv": "ko"}[config.layer_sharing(layer_idx)]
-    shapes = {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out), "o": (q_out, d)}
-    return {name: shapes[name] for name in present}
+    d_ctx = config.key_context_dim
+    shapes = {
+        "q_proj": (d, q_out),
+        "k_proj": (d, kv_out),
+        "v_proj": (d, kv_out),
+        "o_proj": (q_out, d),
+        "ctx_proj": (d, d_ctx),
+        "k_mix": (d_ctx + config.head_dim, kv_out),
+    }
+    return {name: shapes[name] for name in config.layer_projections(layer_idx)}
 
 
 def parameter_counts(config: QKVShareConfig) -> dict[str, int]:
@@ -330,11 +327,9 @@ def main(argv: list[str] | None = None) -> int:
 def execute(args: argparse.Namespace) -> int:
     """`qkvshare costs` with its parsed arguments; returns the exit status (2 for bad input)."""
     try:
-        base = base_config(args.preset, args.model_dir, parse_overrides(args.override))
-        variants = check_variants(base, args.variants or default_variants(base))
+        base, variants = base_and_variants(args.preset, args.model_dir, args.override, args.variants, plus=True)
     except ValueError as err:
-        print(f"qkvshare costs: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("costs", err)
     notes: list[str] = []
     seq_lens = resolve_lengths("seq_lens", args.seq_lens, DEFAULT_SEQ_LENS, base.max_position_embeddings, notes)
     context_lens = resolve_lengths(

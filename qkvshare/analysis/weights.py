@@ -30,12 +30,12 @@ import torch
 from safetensors import safe_open
 
 from qkvshare.analysis.common import markdown_table
+from qkvshare.configuration_qkvshare import mode_for_projections
 from qkvshare.evaluation.common import read_config_json, weight_files
 from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
-# Which projection a dropped one is (sharing mode -> present projections), as in the core library.
-_MODE_BY_PRESENT = {frozenset("qkv"): "none", frozenset("kv"): "qk", frozenset("qk"): "kv", frozenset("k"): "qkv"}
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -67,10 +67,10 @@ def layer_modes(layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
     """Sharing mode per layer, inferred from the tensors present (`analyze` checked them against the config)."""
     modes = {}
     for i, projs in layers.items():
-        present = frozenset(projs)
-        if present not in _MODE_BY_PRESENT:
-            raise ValueError(f"layer {i} has projections {sorted(present)}; expected q,k,v / k,v / q,k / k.")
-        modes[i] = _MODE_BY_PRESENT[present]
+        try:
+            modes[i] = mode_for_projections(f"{name}_proj" for name in projs).name
+        except ValueError as err:
+            raise ValueError(f"layer {i}: {err}") from None
     return modes
 
 
@@ -205,8 +205,7 @@ def execute(args: argparse.Namespace) -> int:
     try:
         report = analyze(args.model)
     except (ValueError, KeyError) as err:
-        print(f"qkvshare analyze: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("analyze", err)
     text = json.dumps(report, indent=2) if args.format == "json" else format_markdown(report)
     print(text)
     if args.output:

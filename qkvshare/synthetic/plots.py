@@ -15,14 +15,9 @@ from pathlib import Path
 import torch
 
 from qkvshare import QKVShareForTokenClassification
-from qkvshare_cli.extras import require
+from qkvshare.analysis.plotting import pyplot
 
 from .tasks import make_dataset
-
-
-def _pyplot():
-    require("matplotlib", "plots", "the synthetic figures", hint="or pass --no_plots").use("Agg")
-    return require("matplotlib.pyplot", "plots", "the synthetic figures", hint="or pass --no_plots")
 
 
 @torch.no_grad()
@@ -49,7 +44,7 @@ def plot_attention_maps(
     by_key = {(c.task, c.label): c for c in cells if (Path(models_dir) / dir_name(c)).exists()}
     if not by_key:
         return None
-    plt = _pyplot()
+    plt = pyplot("the synthetic figures", hint="or pass --no_plots")
     fig, axes = plt.subplots(len(tasks), len(variants), figsize=(1.9 * len(variants), 1.9 * len(tasks)), squeeze=False)
     for r, task in enumerate(tasks):
         for c, variant in enumerate(variants):
@@ -93,7 +88,7 @@ def plot_loss_curves(
             curves.setdefault((record["variant"], record["task"]), []).append(resampled)
     if not curves:
         return None
-    plt = _pyplot()
+    plt = pyplot("the synthetic figures", hint="or pass --no_plots")
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.0), squeeze=False)
     progress = torch.linspace(0, 1, points)
     for i, task in enumerate(tasks):

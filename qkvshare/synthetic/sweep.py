@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,15 +50,16 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from qkvshare import QKVShareConfig, QKVShareForTokenClassification
-from qkvshare.analysis.sweeps import mean_std, pending, print_sweep_result, read_results, run_cells
+from qkvshare.analysis import sweeps
+from qkvshare.analysis.sweeps import SweepResult, get_lr
 from qkvshare.configuration_qkvshare import (
     ARCHITECTURE_STYLES,
     ATTENTION_MAP_PE_INITS,
     POSITION_EMBEDDING_TYPES,
-    parse_variant,
+    resolve_variant,
 )
 from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import slug
+from qkvshare_cli.conventions import report_bad_input, slug
 from qkvshare_cli.synthetic import TASKS, SweepArgs
 
 from .plots import plot_attention_maps, plot_loss_curves
@@ -91,11 +93,7 @@ CSV_FIELDS = [
     "position_type",
     "token_accuracy",
     "sequence_accuracy",
-    "final_train_loss",
-    "steps",
-    "num_parameters",
-    "train_seconds",
-    "cpu_seconds",
+    *sweeps.RUN_FIELDS,
 ]
 
 
@@ -160,7 +158,7 @@ def validate(args: SweepArgs) -> list[Cell]:
     for heads in axes["heads"]:
         for variant in args.variants:
             for emb in axes["embedding_sizes"]:
-                parse_variant(variant, heads, emb // heads)  # raises a ValueError naming the variant
+                resolve_variant(variant, {"num_attention_heads": heads, "hidden_size": emb})  # names a bad variant
     for emb in axes["embedding_sizes"]:
         for heads in axes["heads"]:
             if emb % heads:
@@ -173,17 +171,8 @@ def validate(args: SweepArgs) -> list[Cell]:
             raise ValueError(f"{name}={getattr(args, name)} must be a positive integer.")
     if not 0 <= args.warmup_fraction < 1 or args.lr <= 0 or args.grad_clip <= 0:
         raise ValueError("need 0 <= warmup_fraction < 1, lr > 0 and grad_clip > 0.")
-    recipe = dict(
-        train_size=args.train_size,
-        test_size=args.test_size,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_fraction=args.warmup_fraction,
-        grad_clip=args.grad_clip,
-        map_pe_init=args.map_pe_init,
-        attn_implementation=args.attn_implementation,
-    )
+    grid = {"variant", "task", "embedding_size", "layers", "heads", "length", "seed", "position_type"}
+    recipe = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cell) if f.name not in grid}  # one value each
     return [
         Cell(variant, task, emb, layers, heads, length, seed, **recipe, position_type=position_type)
         for position_type in args.position_types
@@ -199,34 +188,22 @@ def validate(args: SweepArgs) -> list[Cell]:
 
 def build_model(cell: Cell, attn_implementation: str | None = None):
     """The synthetic encoder of a cell: a bidirectional QKVShareForTokenClassification with 10 labels."""
+    e = cell.embedding_size
+    shape = dict(hidden_size=e, intermediate_size=4 * e, num_hidden_layers=cell.layers, num_attention_heads=cell.heads)
+    # a bidirectional classifier of every position over the task's symbols, with no special tokens
+    encoder = dict(is_causal=False, num_labels=NUM_SYMBOLS, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     config = QKVShareConfig.from_preset(
         "tiny",
         variant=cell.variant,
         vocab_size=NUM_SYMBOLS,
-        hidden_size=cell.embedding_size,
-        intermediate_size=4 * cell.embedding_size,
-        num_hidden_layers=cell.layers,
-        num_attention_heads=cell.heads,
         max_position_embeddings=cell.length,
-        **ARCHITECTURE_STYLES["gpt2"] | {"position_embedding_type": cell.position_type},  # pre-LayerNorm, GELU MLP
-        is_causal=False,
-        num_labels=NUM_SYMBOLS,
         attention_map_pe_init=cell.map_pe_init,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
         attn_implementation=attn_implementation or cell.attn_implementation,
+        **shape,
+        **encoder,
+        **ARCHITECTURE_STYLES["gpt2"] | {"position_embedding_type": cell.position_type},  # pre-LayerNorm, GELU MLP
     )
     return QKVShareForTokenClassification(config)
-
-
-def get_lr(step: int, total_steps: int, peak: float, warmup_fraction: float) -> float:
-    """Linear warmup over `warmup_fraction` of the steps, then cosine to 0: `qkvshare.train.schedule.get_lr`
-    (the one home of the schedule) with a 0 floor."""
-    from qkvshare.train import schedule  # lazy: the sweep does not pay for the training stack's imports
-
-    warmup = schedule.warmup_steps_for_fraction(warmup_fraction, total_steps)
-    return schedule.get_lr(step, peak_lr=peak, warmup_steps=warmup, max_steps=total_steps, min_lr_ratio=0.0)
 
 
 def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
@@ -238,39 +215,23 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
     x_test, y_test = make_dataset(cell.task, cell.test_size, cell.length, seed=2 * cell.seed + 1)
     shuffle = torch.Generator().manual_seed(cell.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cell.lr)
-    steps_per_epoch = math.ceil(cell.train_size / cell.batch_size)
-    total_steps = cell.epochs * steps_per_epoch
-    losses: list[float] = []
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model.train()
-    step = 0
-    for _ in range(cell.epochs):
-        order = torch.randperm(cell.train_size, generator=shuffle)
-        for begin in range(0, cell.train_size, cell.batch_size):
-            batch = order[begin : begin + cell.batch_size]
-            for group in optimizer.param_groups:
-                group["lr"] = get_lr(step, total_steps, cell.lr, cell.warmup_fraction)
-            loss = model(input_ids=x_train[batch], labels=y_train[batch]).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cell.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            step += 1
-    train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    total_steps = cell.epochs * math.ceil(cell.train_size / cell.batch_size)
+
+    def batches() -> Iterator[torch.Tensor]:  # a fresh order each epoch, from the seeded generator
+        for _ in range(cell.epochs):
+            order = torch.randperm(cell.train_size, generator=shuffle)
+            for begin in range(0, cell.train_size, cell.batch_size):
+                yield order[begin : begin + cell.batch_size]
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x_train[batch], labels=y_train[batch]).loss
+
+    losses, summary = sweeps.train_steps(model, optimizer, batches(), loss, total_steps, cell)
     token_acc, seq_acc = evaluate(model, x_test, y_test, cell.batch_size)
     if save_dir is not None:
         model.save_pretrained(save_dir)  # safetensors
-    row = dataclasses.asdict(cell) | {
-        "key": cell.key,
-        "token_accuracy": round(token_acc, 5),
-        "sequence_accuracy": round(seq_acc, 5),
-        "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
-        "steps": total_steps,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(train_seconds, 2),  # wall clock of the training loop
-        "cpu_seconds": round(cpu_seconds, 2),  # CPU time of this process (all its threads): load-independent cost
-    }
+    row = dataclasses.asdict(cell) | summary
+    row |= {"key": cell.key, "token_accuracy": round(token_acc, 5), "sequence_accuracy": round(seq_acc, 5)}
     return {name: row[name] for name in CSV_FIELDS}, losses
 
 
@@ -294,17 +255,6 @@ def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
     return cell.key, row, losses
 
 
-@dataclass
-class SweepResult:
-    """What `run_sweep` did: keys trained now, keys skipped (already in the CSV), and where the outputs are."""
-
-    trained: list[str]
-    skipped: list[str]
-    rows: list[dict]
-    table: str
-    files: dict[str, str]
-
-
 def figure_point(args: SweepArgs) -> tuple[int, int, int, int, int]:
     """Grid point (emb, layers, heads, length, seed) whose models are saved for the attention-map figure."""
     axes = args.axes()
@@ -313,11 +263,12 @@ def figure_point(args: SweepArgs) -> tuple[int, int, int, int, int]:
 
 def run_sweep(args: SweepArgs) -> SweepResult:
     """Run every cell not yet in `results.csv`, then write the table and figures from all rows of this sweep."""
+    start = time.perf_counter()
     cells = validate(args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
-    todo, skipped = pending(cells, csv_path)
+    todo, skipped = sweeps.pending(cells, csv_path)
     point = figure_point(args)
 
     def save_dir(cell: Cell) -> str | None:
@@ -326,10 +277,12 @@ def run_sweep(args: SweepArgs) -> SweepResult:
 
     jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
     upgrade_results(csv_path)
-    trained = run_cells(jobs, _worker, csv_path, curves_path, CSV_FIELDS, curve_labels, args.workers, "synthetic cells")
+    trained = sweeps.run_cells(
+        jobs, _worker, csv_path, curves_path, CSV_FIELDS, curve_labels, args.workers, "synthetic cells"
+    )
 
     keys = {cell.key for cell in cells}
-    rows = [row for row in read_results(csv_path) if row["key"] in keys]
+    rows = [row for row in sweeps.read_results(csv_path) if row["key"] in keys]
     table = results_table(rows, args.variants, args.tasks, args.position_types)
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
@@ -359,7 +312,7 @@ def run_sweep(args: SweepArgs) -> SweepResult:
             args.map_layer,
             out / "attention_maps.png",
         )
-    return SweepResult(trained=trained, skipped=skipped, rows=rows, table=table, files=files)
+    return SweepResult(trained, skipped, rows, table, files, seconds=time.perf_counter() - start)
 
 
 def model_dir_name(cell: Cell) -> str:
@@ -416,7 +369,7 @@ def results_table(
                 paper = PAPER_TABLE.get(variant, {}).get(task) if learned else None
                 paper_text = f" ({paper:.3f})" if paper is not None else ""
                 if values:
-                    mean, std = mean_std(values)
+                    mean, std = sweeps.mean_std(values)
                     cells.append(f"{mean:.3f} ± {std:.3f}{paper_text}")
                     means.append(mean)
                 else:
@@ -443,16 +396,13 @@ def execute(args: SweepArgs) -> int:
     try:
         cells = validate(args)
     except ValueError as error:
-        print(f"qkvshare synthetic: {error}", file=sys.stderr)
-        return 2
+        return report_bad_input("synthetic", error)
     print(
         f"{len(cells)} cells ({len(args.variants)} variants x {len(args.tasks)} tasks x grid {args.grid!r}: "
         f"{args.axes()}), {args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
     )
-    start = time.perf_counter()
-    result = run_sweep(args)
-    print_sweep_result(result, start)
+    sweeps.print_sweep_result(run_sweep(args))
     return 0
 
 
-__all__ = ["SweepArgs", "Cell", "PAPER_TABLE", "run_sweep", "train_cell", "main", "execute"]
+__all__ = ["SweepArgs", "Cell", "PAPER_TABLE", "get_lr", "run_sweep", "train_cell", "main", "execute"]

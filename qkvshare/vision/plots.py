@@ -14,19 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from qkvshare import QKVShareForImageClassification
-from qkvshare_cli.extras import require
-
-
-def _pyplot():
-    require("matplotlib", "plots", "qkvshare vision's figures", hint="or pass --no_plots").use("Agg")
-    return require("matplotlib.pyplot", "plots", "qkvshare vision's figures", hint="or pass --no_plots")
+from qkvshare.analysis.plotting import pyplot
 
 
 def plot_accuracy(rows: list[dict], variants: list[str], task: str, path: Path) -> str | None:
     """One column per variant: each seed's accuracy as a dot, the mean as a bar."""
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot("qkvshare vision's figures", hint="or pass --no_plots")
     fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(variants)), 3.4))
     for i, variant in enumerate(variants):
         values = [float(r["accuracy"]) for r in rows if r["variant"] == variant]
@@ -67,7 +62,7 @@ def plot_attention_maps(
     if not found or num_images < 1:
         return None
     images = load_file(data_path)["test_x"][:num_images]
-    plt = _pyplot()
+    plt = pyplot("qkvshare vision's figures", hint="or pass --no_plots")
     columns = 1 + len(found)
     fig, axes = plt.subplots(len(images), columns, figsize=(1.6 * columns, 1.6 * len(images)), squeeze=False)
     maps = [patch_attention(Path(models_dir) / dir_name(c), images) for c in found]

@@ -40,10 +40,10 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as hf_logging
 
 from qkvshare import QKVShareConfig, QKVShareForImageClassification
-from qkvshare.analysis.sweeps import mean_std, pending, print_sweep_result, read_results, run_cells
-from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, parse_variant
+from qkvshare.analysis import sweeps
+from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, resolve_variant
 from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import slug
+from qkvshare_cli.conventions import report_bad_input, slug
 from qkvshare_cli.extras import check_extra
 from qkvshare_cli.vision import PAPER_VARIANTS, VisionArgs, check_args, check_choice
 
@@ -75,11 +75,7 @@ CSV_FIELDS = [
     "heads",
     "epochs",
     "accuracy",
-    "final_train_loss",
-    "steps",
-    "num_parameters",
-    "train_seconds",
-    "cpu_seconds",
+    *sweeps.RUN_FIELDS,
 ]
 
 
@@ -127,8 +123,9 @@ def validate(args: VisionArgs) -> None:
     check_args(args)
     check_choice("pooling", args.pooling, IMAGE_POOLINGS)
     check_choice("patch_position_embedding_type", args.patch_position_embedding_type, PATCH_POSITION_EMBEDDING_TYPES)
+    shape = {"num_attention_heads": args.heads, "hidden_size": args.hidden_size}
     for variant in args.variants:
-        parse_variant(variant, args.heads)  # a ValueError naming the variant
+        resolve_variant(variant, shape)  # a ValueError naming the variant
 
 
 # ----- data: prepared once per data id, read by every cell -----
@@ -188,7 +185,7 @@ def build_config(cell: Cell, num_labels: int, image_size: int | None = None, att
         image = dict(image_size=image_size, patch_size=cell.patch_size, num_channels=3, num_labels=num_labels)
         image |= dict(pooling=cell.pooling, patch_position_embedding_type=cell.patch_position_embedding_type)
         return QKVShareConfig.from_preset(PRESET, cell.variant, **shape, **image)
-    if parse_variant(cell.variant, cell.heads)["attention_map_pe_dim"]:  # "+": the set task's m
+    if resolve_variant(cell.variant, shape)["attention_map_pe_dim"]:  # "+": the set task's m
         shape["attention_map_pe_dim"] = SET_ATTENTION_MAP_PE_DIM
     return QKVShareConfig.from_preset(PRESET, cell.variant, **shape)
 
@@ -243,30 +240,16 @@ def evaluate(cell: Cell, model, data: dict[str, torch.Tensor]) -> float:
 
 def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[float]]:
     """Train and evaluate one cell; returns its CSV row and its per-step training losses."""
-    from qkvshare.train import schedule
-
     data = load_file(cell.data_path)
     torch.manual_seed(cell.seed)
     model = build_model(cell, data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, weight_decay=cell.weight_decay)
     total = cell.epochs * math.ceil(len(data["train_y"]) / cell.batch_size)
-    warmup = schedule.warmup_steps_for_fraction(cell.warmup_fraction, total)
     generator = torch.Generator().manual_seed(cell.seed)
-    losses: list[float] = []
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model.train()
-    for _ in range(cell.epochs):
-        for inputs, labels in batches(cell, data, generator):
-            lr = schedule.get_lr(len(losses), peak_lr=cell.lr, warmup_steps=warmup, max_steps=total, min_lr_ratio=0.0)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss = loss_and_logits(cell, model, inputs, labels)[0]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cell.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-    train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    stream = (batch for _ in range(cell.epochs) for batch in batches(cell, data, generator))
+    losses, summary = sweeps.train_steps(
+        model, optimizer, stream, lambda batch: loss_and_logits(cell, model, *batch)[0], total, cell
+    )
     accuracy = evaluate(cell, model, data)
     if save_dir is not None and cell.task == "classify":
         model.save_pretrained(save_dir)  # safetensors
@@ -284,13 +267,8 @@ def train_cell(cell: Cell, save_dir: str | None = None) -> tuple[dict, list[floa
         "heads": cell.heads,
         "epochs": cell.epochs,
         "accuracy": round(accuracy, 5),
-        "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
-        "steps": total,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(train_seconds, 2),
-        "cpu_seconds": round(cpu_seconds, 2),
     }
-    return row, losses
+    return row | summary, losses
 
 
 def _worker(job: tuple[Cell, str | None, int]) -> tuple[str, dict, list[float]]:
@@ -306,19 +284,9 @@ def model_dir_name(cell: Cell) -> str:
     return f"{cell.task}_{slug(cell.variant)}_s{cell.seed}"
 
 
-@dataclass
-class VisionResult:
-    """What `run_vision` did: keys trained now, keys skipped (already in the CSV), the table and the files."""
-
-    trained: list[str]
-    skipped: list[str]
-    rows: list[dict]
-    table: str
-    files: dict[str, str]
-
-
-def run_vision(args: VisionArgs) -> VisionResult:
+def run_vision(args: VisionArgs) -> sweeps.SweepResult:
     """Train every cell not in `results.csv` yet, then write the table and figures from all rows of this run."""
+    start = time.perf_counter()
     validate(args)
     if args.plots:
         check_extra("plots", "qkvshare vision's figures", hint="or pass --no_plots")
@@ -327,18 +295,18 @@ def run_vision(args: VisionArgs) -> VisionResult:
     out.mkdir(parents=True, exist_ok=True)
     cells = make_cells(args, data_path, patch_size)
     csv_path, curves_path = out / "results.csv", out / "loss_curves.jsonl"
-    todo, skipped = pending(cells, csv_path)
+    todo, skipped = sweeps.pending(cells, csv_path)
     first_seed = args.seeds[0]
 
     def save_dir(cell: Cell) -> str | None:
         return str(out / "models" / model_dir_name(cell)) if cell.seed == first_seed else None
 
     jobs = [(cell, save_dir(cell), args.threads) for cell in todo]
-    trained = run_cells(
+    trained = sweeps.run_cells(
         jobs, _worker, csv_path, curves_path, CSV_FIELDS, ("task", "variant"), args.workers, f"{args.task} cells"
     )
     keys = {cell.key for cell in cells}
-    rows = [row for row in read_results(csv_path) if row["key"] in keys]
+    rows = [row for row in sweeps.read_results(csv_path) if row["key"] in keys]
     table = results_table(rows, args)
     (out / "table.md").write_text(table + "\n")
     files = {"results": str(csv_path), "loss_curves": str(curves_path), "table": str(out / "table.md")}
@@ -353,7 +321,7 @@ def run_vision(args: VisionArgs) -> VisionResult:
             )
             if maps:
                 files["attention_maps_png"] = maps
-    return VisionResult(trained=trained, skipped=skipped, rows=rows, table=table, files=files)
+    return sweeps.SweepResult(trained, skipped, rows, table, files, seconds=time.perf_counter() - start)
 
 
 def results_table(rows: list[dict], args: VisionArgs) -> str:
@@ -373,7 +341,7 @@ def results_table(rows: list[dict], args: VisionArgs) -> str:
         if not mine:
             lines.append(f"| {variant} | - | 0 | - |")
             continue
-        mean, std = mean_std(float(r["accuracy"]) for r in mine)
+        mean, std = sweeps.mean_std(float(r["accuracy"]) for r in mine)
         means[variant] = mean
         lines.append(f"| {variant} | {mean:.3f} ± {std:.3f} | {len(mine)} | {int(mine[0]['num_parameters']):,} |")
     paper = [means[v] for v in PAPER_VARIANTS if v in means]
@@ -393,19 +361,16 @@ def execute(args: VisionArgs) -> int:
     try:
         validate(args)
     except ValueError as error:
-        print(f"qkvshare vision: error: {error}", file=sys.stderr)
-        return 2
+        return report_bad_input("vision", error)
     print(
         f"{args.task}: {len(args.variants)} variants x {len(args.seeds)} seeds on {args.dataset}, "
         f"{args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
     )
-    start = time.perf_counter()
     try:
         result = run_vision(args)
     except ValueError as error:  # bad data (columns, sizes, classes) found while preparing it, before training
-        print(f"qkvshare vision: error: {error}", file=sys.stderr)
-        return 2
-    print_sweep_result(result, start)
+        return report_bad_input("vision", error)
+    sweeps.print_sweep_result(result)
     return 0
 
 
