@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from qkvshare import QKVShareCache
 from qkvshare.convert import convert, save_converted
-from qkvshare.convert_data import documents, split_documents, split_of
-from qkvshare.convert_transfer import StopAfter, TransferSettings, run_stages
+from qkvshare.convert.data import documents, split_documents, split_of
+from qkvshare.convert.transfer import StopAfter, TransferSettings, run_stages
 from qkvshare.train.pretrain import main as train_main
 from qkvshare.train.tokenizer import train_bpe_tokenizer
 
@@ -196,7 +196,7 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_
 
 
 def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monkeypatch):
-    import qkvshare.convert_transfer as transfer
+    import qkvshare.convert.transfer as transfer
 
     source = llama(2)
     reference, _ = transferred(source, "Q-K=V", settings=TransferSettings(steps=0))
@@ -225,7 +225,7 @@ def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monk
 # Calibration text
 # --------------------------------------------------------------------------------------------------------------
 def test_mixed_calibration_text_has_prose_and_code_in_disjoint_splits():
-    from qkvshare.convert_data import TOPICS_FILE, _named_files
+    from qkvshare.convert.data import TOPICS_FILE, _named_files
     from qkvshare.train.data import is_validation_file
 
     names = {split: {name for name, _ in _named_files(split)} for split in ("train", "validation", "test")}

@@ -95,13 +95,13 @@ def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_siz
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, block_size)
 
 
-def _causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive causal mask (1, 1, T, T): what eager and sdpa attention both take."""
     upper = torch.ones(length, length, dtype=torch.bool).triu(1)
     return torch.zeros(length, length, dtype=dtype).masked_fill(upper, torch.finfo(dtype).min)[None, None]
 
 
-def _o_proj_input(attention: Any, hidden: torch.Tensor, position_embeddings: Any, mask: torch.Tensor) -> torch.Tensor:
+def o_proj_input(attention: Any, hidden: torch.Tensor, position_embeddings: Any, mask: torch.Tensor) -> torch.Tensor:
     """Run one attention module; return what its o_proj receives, (tokens, heads * head_dim)."""
     captured = []
     handle = attention.o_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
@@ -142,7 +142,7 @@ def source_streams(source: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], 
     return streams, inputs, rope[0]
 
 
-def _relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
     return float((output - reference).norm() / reference.norm().clamp_min(1e-12))
 
 
@@ -176,45 +176,43 @@ def calibrate(
     with torch.no_grad():
         streams, inputs, rope = source_streams(source, ids)
         rope32 = tuple(t.float() for t in rope)
-        mask32 = _causal_mask(ids.shape[1], torch.float32)
+        mask32 = causal_mask(ids.shape[1], torch.float32)
         stream = streams[0].float()  # the converted model's residual stream (the same embeddings)
         for i in layers:
             src_attn, layer = source.model.layers[i].self_attn, model.model.layers[i]
             layer_attn = layer.self_attn
             src_dtype = src_attn.o_proj.weight.dtype
-            targets = _o_proj_input(src_attn, inputs[i], rope, _causal_mask(ids.shape[1], src_dtype))
+            targets = o_proj_input(src_attn, inputs[i], rope, causal_mask(ids.shape[1], src_dtype))
             o_bias = src_attn.o_proj.bias.float() if src_attn.o_proj.bias is not None else None
             reference = F.linear(targets, src_attn.o_proj.weight.float(), o_bias)  # the source's attention output
             hidden = inputs[i].float()
             own = layer.input_layernorm(stream)  # the converted model's attention input (its layers < i converted)
-            own_features = _o_proj_input(layer_attn, own, rope32, mask32)  # what o_proj receives: o_proj-free
+            own_features = o_proj_input(layer_attn, own, rope32, mask32)  # what o_proj receives: o_proj-free
             if config.is_kv_tied(i):
                 src_state = {k: v.float() for k, v in src_attn.state_dict().items()}
                 for name in ("value", "key"):
                     module = _attention_module(
                         config, i, attention_state(src_state, source_kv, config, i, name, query_method)
                     )
-                    features = _o_proj_input(module, hidden, rope32, mask32)
-                    errors[name].append(_relative_error(module.o_proj(features), reference))
+                    features = o_proj_input(module, hidden, rope32, mask32)
+                    errors[name].append(relative_error(module.o_proj(features), reference))
                 # `module` is now the `key` layer: calibrated = key projections + o_proj refitted on its features
                 heads = config.num_attention_heads
                 maps = fit_head_maps(features, targets.float(), heads, ridge, config.attention_bias)
                 fold_into_o_proj(module.o_proj, maps)
-                errors["calibrated"].append(_relative_error(module.o_proj(features), reference))
+                errors["calibrated"].append(relative_error(module.o_proj(features), reference))
                 if method == "calibrated" and calibration == "independent":
                     layer_attn.o_proj.load_state_dict(module.o_proj.state_dict())
                 elif method == "calibrated":  # sequential: the source layer's output for the converted path's input
-                    own_targets = _o_proj_input(
-                        src_attn, own.to(src_dtype), rope, _causal_mask(ids.shape[1], src_dtype)
-                    )
+                    own_targets = o_proj_input(src_attn, own.to(src_dtype), rope, causal_mask(ids.shape[1], src_dtype))
                     maps = fit_head_maps(own_features, own_targets.float(), heads, ridge, config.attention_bias)
                     fold_into_o_proj(layer_attn.o_proj, maps)
-            features = _o_proj_input(layer_attn, hidden, rope32, mask32)
-            errors["converted"].append(_relative_error(layer_attn.o_proj(features), reference))
+            features = o_proj_input(layer_attn, hidden, rope32, mask32)
+            errors["converted"].append(relative_error(layer_attn.o_proj(features), reference))
             if tied_any and not config.is_kv_tied(i):
                 for name in KV_METHODS:
                     errors[name].append(None)
             stream = stream + layer_attn.o_proj(own_features).view_as(stream)
             stream = stream + layer.mlp(layer.post_attention_layernorm(stream))
-            errors["drift"].append(_relative_error(stream, streams[i + 1].float()))
+            errors["drift"].append(relative_error(stream, streams[i + 1].float()))
     return errors

@@ -21,7 +21,7 @@ Stages (each resumable from a work folder; the errors before and after each go t
   key's subspace. The batch of step s of layer l is a pure function of (seed, l, s) and the learning rate of s,
   so a run resumed from a saved step reproduces the uninterrupted one exactly.
 - (c) end-to-end distillation against the source's logits: `qkvshare train --teacher` (the same loop, resume,
-  checkpoints and DDP), run by the command line on the converted model (`qkvshare.convert_cli`).
+  checkpoints and DDP), run by the command line on the converted model (`qkvshare.convert.cli`).
 Head pooling (GQA-g, MQA, Q-GQA-g, Q-MQA) and Q=K layers take the same stages: their init is the mean-pooled or
 key-as-query copy, and (a)/(b) fit what pooling or the symmetric score lost.
 """
@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.train.schedule import get_lr
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
@@ -79,12 +80,6 @@ class Activations:
         return self.inputs[0].shape[0] * self.inputs[0].shape[1]
 
 
-def causal_mask(length: int) -> torch.Tensor:
-    """Additive float32 causal mask (1, 1, T, T): what eager and sdpa attention both take."""
-    upper = torch.ones(length, length, dtype=torch.bool).triu(1)
-    return torch.zeros(length, length).masked_fill(upper, torch.finfo(torch.float32).min)[None, None]
-
-
 @torch.no_grad()
 def source_activations(source: Any, ids: torch.Tensor, batch_size: int = 4) -> Activations:
     """Run the source on `ids` (n, T) in batches; keep every layer's attention input and output (float32)."""
@@ -116,7 +111,10 @@ def source_activations(source: Any, ids: torch.Tensor, batch_size: int = 4) -> A
             handle.remove()
     cos, sin = (t[:1].float() for t in rope[0])
     return Activations(
-        [torch.cat(x) for x in inputs], [torch.cat(y) for y in outputs], (cos, sin), causal_mask(ids.shape[1])
+        [torch.cat(x) for x in inputs],
+        [torch.cat(y) for y in outputs],
+        (cos, sin),
+        causal_mask(ids.shape[1], torch.float32),
     )
 
 
@@ -141,13 +139,8 @@ def layer_error(module: Any, acts: Activations, layer: int, batch_size: int = 8)
 
 def _o_proj_features(module: Any, acts: Activations, layer: int, index: Any) -> torch.Tensor:
     """What the converted layer's o_proj receives on blocks `index`, flattened to (tokens, H * D)."""
-    captured = []
-    handle = module.o_proj.register_forward_pre_hook(lambda m, args: captured.append(args[0]))
-    try:
-        attention_output(module, acts, layer, index)
-    finally:
-        handle.remove()
-    return captured[0].reshape(-1, captured[0].shape[-1])
+    x = acts.inputs[layer][index]
+    return o_proj_input(module, x, tuple(t.expand(x.shape[0], -1, -1) for t in acts.rope), acts.mask)
 
 
 @torch.no_grad()
