@@ -297,7 +297,7 @@ def test_bad_conversions_are_refused_before_any_work(case):
 
 def test_missing_or_too_small_calibration_set_is_refused():
     source = llama(kv_heads=2)
-    with pytest.raises(ValueError, match="method='calibrated' needs calibration text"):
+    with pytest.raises(ValueError, match="methods 'calibrated' and 'transfer' need calibration text"):
         convert(source, "Q-K=V")
     with pytest.raises(ValueError, match=r"has 40 tokens .* at least 68 tokens"):
         convert(source, "Q-K=V", calibration_ids=ids(2, 20))

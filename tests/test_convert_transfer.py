@@ -158,7 +158,9 @@ def test_each_stage_lowers_the_held_out_attention_error(variant, kv_heads):
         if variant != "Q=K-V":
             assert closed < init, (variant, layer, init, closed)
     assert record["stages"]["transfer"]["tokens_per_layer"] == 40 * 4 * 32
-    assert record["stages"]["closed_form"]["tokens"] == 32 * 32 and "transfer" not in record.get("not_kept", {})
+    assert record["stages"]["closed_form"]["calibration_tokens"] == 32 * 32 and "transfer" not in record.get(
+        "not_kept", {}
+    )
 
 
 def test_transferred_model_decodes_exactly_with_the_tied_cache():

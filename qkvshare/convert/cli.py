@@ -4,40 +4,64 @@ checked by `qkvshare_cli.convert`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from qkvshare import QKVShareConfig
+import torch
+
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
-from qkvshare.convert.io import load_source, load_source_tokenizer, read_source_config, save_converted
+from qkvshare.convert.distill import DistillSettings, run_distillation
+from qkvshare.convert.io import (
+    ConversionWriteError,
+    load_source,
+    load_source_tokenizer,
+    publish,
+    read_source_config,
+    save_converted,
+    work_dir_for,
+)
+from qkvshare.convert.transfer import TransferSettings, kl_to_source, measure_layer_errors, source_log_probs
 from qkvshare_cli import main as cli_main
 from qkvshare_cli.conventions import report_bad_input
-from qkvshare_cli.convert import RECORD_FILE
+from qkvshare_cli.convert import RECORD_FILE, TRANSFER_DEFAULTS
 
 
 def run(args: argparse.Namespace) -> ConversionRecord:
-    """Check everything that needs no weights, read calibration text, load the source, convert, save."""
+    """Check everything that needs no weights, read calibration text, load the source, convert (resumably, with
+    --method transfer), distil (stage c), and publish the model directory whole."""
     source_config = read_source_config(args.source)
     config, method, query_method = plan_conversion(
-        source_config, args.variant, args.method, args.query_method, **args.overrides
+        source_config, args.variant, args.method, args.query_method, args.cache_budget, **args.overrides
     )
     tokenizer = load_source_tokenizer(args.source)
     source_kv = source_config.get("num_key_value_heads") or source_config["num_attention_heads"]
-    ids = description = None
+    ids = validation = description = None
     changes_attention = method is not None or config.num_key_value_heads < source_kv or query_method is not None
-    if method == "calibrated" and tokenizer is None:
+    if method in ("calibrated", "transfer") and tokenizer is None:
         raise ValueError(
-            f"{args.source} has no tokenizer, which method='calibrated' needs to read calibration text; save the "
+            f"{args.source} has no tokenizer, which method={method!r} needs to read calibration text; save the "
             "source's tokenizer next to its weights, or use --method key."
         )
+    block = args.calibration_block_size
     if changes_attention and tokenizer is not None:
-        documents, description = calibration_texts(args.calibration_file, args.seed)
-        ids = calibration_ids(tokenizer, documents, args.calibration_tokens, args.calibration_block_size)
+        documents, description = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
+        ids = calibration_ids(tokenizer, documents, args.calibration_tokens, block)
         check_calibration_ids(ids, config)
+    if method == "transfer":
+        held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
+        validation = calibration_ids(tokenizer, held_out, args.validation_tokens, block)
+        check_calibration_ids(validation, config, "the validation split of the calibration text")
+    out = Path(args.output_dir)
+    work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
     source = load_source(args.source)
+    started = time.perf_counter()
     model, record = convert(
         source,
         args.variant,
@@ -48,14 +72,113 @@ def run(args: argparse.Namespace) -> ConversionRecord:
         calibration=args.calibration,
         source_name=str(args.source),
         calibration_source=description,
+        validation_ids=validation,
+        transfer=transfer_settings(args) if method == "transfer" else None,
+        cache_budget=args.cache_budget,
+        work_dir=work / "stages" if work is not None else None,
+        progress=True,
         **args.overrides,
     )
-    out = Path(args.output_dir)
-    if out.exists() and args.overwrite_output_dir and (out / RECORD_FILE).is_file():
-        shutil.rmtree(out)
-    save_converted(model, record, out, tokenizer, args.dtype)
-    _print_summary(record, config, source_config, out)
+    if method == "transfer" and args.distill_tokens > 0:
+        model = distil(args, source, model, record, tokenizer, validation, work)
+    record.seconds = round(time.perf_counter() - started, 2)
+    publish(lambda folder: save_converted(model, record, folder, tokenizer, args.dtype), out)
+    if work is not None:
+        shutil.rmtree(work)
+    _print_summary(record, model.config, source_config, out)
     return record
+
+
+def transfer_settings(args: argparse.Namespace) -> TransferSettings:
+    """Stages (a) and (b) from the command's flags."""
+    return TransferSettings(
+        ridge=args.ridge,
+        steps=args.transfer_steps,
+        batch_size=args.transfer_batch_size,
+        learning_rate=args.transfer_learning_rate,
+        seed=args.seed,
+    )
+
+
+def distill_settings(args: argparse.Namespace) -> DistillSettings:
+    """Stage (c) from the command's flags."""
+    return DistillSettings(
+        tokens=args.distill_tokens,
+        batch_size=args.distill_batch_size,
+        block_size=args.calibration_block_size,
+        learning_rate=args.distill_learning_rate,
+        temperature=args.distill_temperature,
+        lm_weight=args.distill_lm_weight,
+        seed=args.seed,
+    )
+
+
+def conversion_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What a transfer conversion's saved progress depends on (a rerun must match it to continue from it)."""
+    keys = ("variant", "method", "query_method", "overrides", "calibration_file", "calibration_dataset")
+    keys += ("calibration_tokens", "calibration_block_size", "ridge", "seed", *TRANSFER_DEFAULTS)
+    return {"source": str(Path(args.source).expanduser().resolve())} | {key: getattr(args, key) for key in keys}
+
+
+def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
+    """The work folder of the conversion into `out`: new, or an interrupted one with the same plan (continued)."""
+    work = work_dir_for(out)
+    plan_file = work / "plan.json"
+    if plan_file.is_file():
+        saved = json.loads(plan_file.read_text())
+        changed = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in plan.items() if saved.get(k) != v]
+        if changed:
+            raise ValueError(
+                f"{work} holds the progress of an interrupted conversion into {out} with other settings "
+                f"({'; '.join(changed)}); rerun with those settings to continue it, or delete {work} to start over."
+            )
+        print(f"qkvshare convert: continuing the interrupted conversion saved in {work}", flush=True)
+        return work
+    work.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps(plan, indent=2))
+    return work
+
+
+def distil(
+    args: argparse.Namespace,
+    source: Any,
+    model: Any,
+    record: ConversionRecord,
+    tokenizer: Any,
+    validation: Any,
+    work: Path,
+) -> Any:
+    """Stage (c): save the model of stages (a)-(b), distil it from SRC with `qkvshare train --teacher` in the work
+    folder, and record its errors, KL divergence, tokens and time. Returns the distilled model."""
+    stage_model = work / "stage-model"
+    if not (stage_model / RECORD_FILE).is_file():  # written last: the folder is complete
+        save_converted(model, record, stage_model, tokenizer)
+    started = time.perf_counter()
+    train_texts, _ = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
+    held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
+    settings = distill_settings(args)
+    try:
+        folder, metrics = run_distillation(
+            stage_model, str(args.source), train_texts, held_out, tokenizer, work, settings
+        )
+    except RuntimeError as err:
+        raise DistillationStopped(str(err)) from err
+    distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = source_log_probs(source, validation)
+    record.layer_errors["distill"] = measure_layer_errors(source, distilled, validation)
+    record.layer_errors["converted"] = record.layer_errors["distill"]
+    record.stages["distill"] = asdict(settings) | {
+        "steps": settings.steps,
+        "tokens": metrics["tokens_seen"],
+        "seconds": round(time.perf_counter() - started, 2),
+        "kl_to_source": kl_to_source(reference, distilled, validation),
+        "validation_kl_of_the_run": metrics.get("val_kl"),
+    }
+    return distilled
+
+
+class DistillationStopped(RuntimeError):
+    """Stage (c)'s training run stopped (a signal, a full disk, a diverged loss); rerunning continues it."""
 
 
 def _print_summary(record: ConversionRecord, config: Any, source_config: dict[str, Any], out: Path) -> None:
@@ -83,9 +206,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(args: argparse.Namespace) -> int:
-    """`qkvshare convert` with its parsed arguments: 0 done, 2 bad input (one paragraph on stderr)."""
+    """`qkvshare convert` with its parsed arguments: 0 done, 1 stopped while writing or distilling (what is saved
+    stays; rerunning continues), 2 bad input (one paragraph on stderr)."""
     try:
         run(args)
     except ValueError as err:
         return report_bad_input("convert", err)
+    except (ConversionWriteError, DistillationStopped) as err:
+        print(f"qkvshare convert: stopped: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -135,6 +136,38 @@ def layer_error(module: Any, acts: Activations, layer: int, batch_size: int = 8)
         diff += float((attention_output(module, acts, layer, index).double() - y).pow(2).sum())
         ref += float(y.pow(2).sum())
     return math.sqrt(diff / max(ref, 1e-30))
+
+
+def changed_layers(config: Any, source_kv_heads: int) -> list[int]:
+    """The layers whose attention a conversion to `config` changes: tied, Q=K or with pooled key/value heads."""
+    pooled = config.num_key_value_heads < source_kv_heads
+    return [i for i in range(config.num_hidden_layers) if pooled or config.layer_sharing(i) != "none"]
+
+
+@torch.no_grad()
+def measure_layer_errors(source: Any, model: Any, ids: torch.Tensor, batch_size: int = 4) -> list[float]:
+    """Every layer's error (`layer_error`) of the converted `model` on the source's hidden states over `ids`."""
+    acts = source_activations(source, ids, batch_size)
+    return [layer_error(layer.self_attn, acts, i) for i, layer in enumerate(model.model.layers)]
+
+
+@torch.no_grad()
+def source_log_probs(source: Any, ids: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+    """The source's next-token log-probabilities on `ids` (n, T, vocab), float32: the reference of `kl_to_source`."""
+    return torch.cat(
+        [F.log_softmax(source(ids[s : s + batch_size]).logits.float(), -1) for s in range(0, len(ids), batch_size)]
+    )
+
+
+@torch.no_grad()
+def kl_to_source(reference: torch.Tensor, model: Any, ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean KL(source || model) per token over `ids`, at temperature 1 (`reference` from `source_log_probs`)."""
+    total = 0.0
+    for start in range(0, len(ids), batch_size):
+        own = F.log_softmax(model(ids[start : start + batch_size]).logits.float(), -1)
+        ref = reference[start : start + batch_size]
+        total += float((ref.exp() * (ref - own)).sum())
+    return total / (ids.shape[0] * ids.shape[1])
 
 
 def _o_proj_features(module: Any, acts: Activations, layer: int, index: Any) -> torch.Tensor:
@@ -310,10 +343,13 @@ def run_stages(
     work_dir: Path | None = None,
     on_step: Callable[[int, int], None] | None = None,
     progress: bool = True,
+    after_stage: Callable[[str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Stages (a) and (b) on the converted `model`'s attention `layers` (in place), fitted on `train_ids` and
     measured on `validation_ids` (both (n, T) blocks of the source's tokens). With `work_dir`, every finished layer
-    and stage (b)'s layer in progress are saved there and a rerun continues from them.
+    and stage (b)'s layer in progress are saved there and a rerun continues from them. `after_stage(stage)` is
+    called once each stage's errors are measured (the model then holds that stage's result); what it returns (e.g.
+    the whole model's KL divergence to the source) joins the stage's entry of the record.
 
     A stage's result for a layer is kept only when it lowers that layer's validation error (else the layer stays as
     it was, listed under "not_kept"), so no stage makes a layer worse on text it did not fit.
@@ -332,6 +368,8 @@ def run_stages(
 
     def measure(stage: str) -> None:
         errors[stage] = [layer_error(attention[i], validation, i) if i in layers else None for i in range(count)]
+        if after_stage is not None:
+            record["stages"].setdefault(stage, {}).update(after_stage(stage))
         files.save_errors(record)
 
     def keep_if_better(stage: str, i: int, before: dict[str, torch.Tensor], previous: str) -> None:
@@ -360,7 +398,7 @@ def run_stages(
                 keep_if_better("closed_form", i, before, previous)
         if "closed_form" not in errors:
             record["stages"]["closed_form"] = {
-                "tokens": int(train.tokens),
+                "calibration_tokens": int(train.tokens),
                 "ridge": settings.ridge,
                 "seconds": round(time.perf_counter() - started, 2),
             }
