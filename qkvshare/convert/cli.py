@@ -190,12 +190,23 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
         f"kv_tie_point {record.kv_tie_point}, head pooling {record.head_pooling or '-'}",
         f"KV cache per token (16-bit): {config.kv_cache_bytes_per_token():,} bytes (source {before:,})",
     ]
-    for name in ("key", "value", "calibrated", "converted"):
+    tokens = record.validation_tokens or record.calibration_tokens
+    where = "held-out" if record.validation_tokens else "calibration"
+    for name in ("key", "value", "calibrated", "init", "closed_form", "transfer", "distill", "converted"):
         mean = record.mean_error(name)
         if mean is not None:
-            lines.append(f"mean attention-output error ({name}): {mean:.4f} over {record.calibration_tokens:,} tokens")
+            kl = record.stages.get(name, {}).get("kl_to_source")
+            then = f"; KL to the source {kl:.4f} per token" if kl is not None else ""
+            lines.append(f"mean attention-output error ({name}): {mean:.4f} over {tokens:,} {where} tokens{then}")
     if record.layer_errors.get("drift"):
         lines.append(f"hidden-state drift after the last layer: {record.layer_errors['drift'][-1]:.4f}")
+    if record.cache_budget is not None:
+        b = record.cache_budget
+        lines.append(
+            f"cache budget {b['budget']}: tied layers {b['tied_layers']} (lowest {b['chosen_by']}), "
+            f"{b['kv_bytes_per_token']:,} of the source's {b['source_kv_bytes_per_token']:,} bytes per token "
+            f"({b['fraction']:.4f}); KL to the source {record.stages['cache_budget']['kl_to_source']:.4f} per token"
+        )
     lines.append(f"model directory: {out.resolve()}")
     print("\n".join(lines), flush=True)
 

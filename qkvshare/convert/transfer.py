@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.train.schedule import get_lr
+from qkvshare_cli.convert import DEFAULT_RIDGE
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
 ERRORS_FILE = "errors.json"
@@ -54,7 +55,7 @@ class TransferSettings:
     """How stages (a) and (b) run (the command's flags of the same names)."""
 
     closed_form: bool = True  # stage (a)
-    ridge: float = 1e-3  # relative ridge of the o_proj fit
+    ridge: float = DEFAULT_RIDGE  # relative ridge of the o_proj fit
     steps: int = 300  # stage (b): Adam steps per layer (0: no stage (b))
     batch_size: int = 4  # sequences per step
     learning_rate: float = 1e-3  # peak, cosine down to a tenth after `warmup_steps`
