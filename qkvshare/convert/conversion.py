@@ -14,7 +14,7 @@ import transformers
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.analysis.common import llama_config_dict
 from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
-from qkvshare.convert.budget import check_cache_budget, choose_tied_layers
+from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (
     TransferSettings,
@@ -291,24 +291,8 @@ def _transfer(
     errors = result["layer_errors"]
     budget = None
     if cache_budget is not None:
-        last = [stage for stage in ("transfer", "closed_form", "init") if stage in errors][0]
-        choice = choose_tied_layers(model.config, errors[last], cache_budget)
-        config = (
-            QKVShareConfig.from_llama(
-                source.config,
-                variant,
-                **(overrides | {"layer_projection_sharing": choice.layer_projection_sharing}),
-                kv_tie_point=model.config.kv_tie_point,
-            )
-            if "kv_tie_point" not in overrides
-            else QKVShareConfig.from_llama(
-                source.config, variant, **(overrides | {"layer_projection_sharing": choice.layer_projection_sharing})
-            )
-        )
-        mixed = build_converted(source.state_dict(), source_kv, config, "transfer", query_method)
-        for i in choice.tied_layers:
-            mixed.model.layers[i].self_attn.load_state_dict(model.model.layers[i].self_attn.state_dict())
-        current = mixed
+        last = list(errors)[-1]  # the last stage run
+        current, choice = budget_model(source, model, errors[last], cache_budget, variant, query_method, overrides)
         budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": f"layer_errors[{last!r}]"}
         result["stages"]["cache_budget"] = after_stage("cache_budget")
     errors["converted"] = measure_layer_errors(source, current, validation_ids)
@@ -319,3 +303,26 @@ def _transfer(
         "cache_budget": budget,
     }
     return current, extra
+
+
+def budget_model(
+    source: Any,
+    model: QKVShareForCausalLM,
+    errors: list[float | None],
+    cache_budget: float,
+    variant: str | None,
+    query_method: str | None,
+    overrides: dict[str, Any],
+) -> tuple[QKVShareForCausalLM, BudgetChoice]:
+    """`model` (every layer converted) with only the layers `choose_tied_layers` picks for `cache_budget` kept
+    converted; every other layer is the source's exact copy (`layer_projection_sharing`)."""
+    choice = choose_tied_layers(model.config, errors, cache_budget)
+    fields = {"kv_tie_point": model.config.kv_tie_point} | overrides
+    config = QKVShareConfig.from_llama(
+        source.config, variant, **(fields | {"layer_projection_sharing": choice.layer_projection_sharing})
+    )
+    source_kv = getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads
+    mixed = build_converted(source.state_dict(), source_kv, config, "transfer", query_method)
+    for i in choice.tied_layers:
+        mixed.model.layers[i].self_attn.load_state_dict(model.model.layers[i].self_attn.state_dict())
+    return mixed, choice

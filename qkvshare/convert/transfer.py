@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.train.schedule import get_lr
-from qkvshare_cli.convert import DEFAULT_RIDGE
+from qkvshare_cli.convert import DEFAULT_TRANSFER_RIDGE
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
 ERRORS_FILE = "errors.json"
@@ -55,9 +55,9 @@ class TransferSettings:
     """How stages (a) and (b) run (the command's flags of the same names)."""
 
     closed_form: bool = True  # stage (a)
-    ridge: float = DEFAULT_RIDGE  # relative ridge of the o_proj fit
-    steps: int = 300  # stage (b): Adam steps per layer (0: no stage (b))
-    batch_size: int = 4  # sequences per step
+    ridge: float = DEFAULT_TRANSFER_RIDGE  # relative ridge of the o_proj fit
+    steps: int = 100  # stage (b): Adam steps per layer (0: no stage (b))
+    batch_size: int = 2  # sequences per step
     learning_rate: float = 1e-3  # peak, cosine down to a tenth after `warmup_steps`
     warmup_steps: int = 10
     save_steps: int = 50  # stage (b) saves the layer in progress every this many steps
@@ -356,7 +356,9 @@ def run_stages(
     it was, listed under "not_kept"), so no stage makes a layer worse on text it did not fit.
 
     Returns {"layer_errors": {stage: [error per layer or None]}, "stages": {stage: {tokens, seconds, ...}},
-    "not_kept": {stage: [layers]}}, with stage in `STAGES` for the stages run; layers not in `layers` have None.
+    "not_kept": {stage: [layers]}}, with stage in `STAGES` for the stages these settings run (a work folder may hold
+    more: a stage-(a)-only rerun of a finished conversion gives the stage-(a) model); layers not in `layers` have
+    None.
     """
     files = StageFiles(work_dir)
     record = files.load_errors() or {"layer_errors": {}, "stages": {}}
@@ -430,7 +432,11 @@ def run_stages(
                 "final_loss": final_losses,
             }
             measure("transfer")
-    return record
+    run = [stage for stage, on in zip(STAGES, (True, settings.closed_form, settings.steps > 0)) if on]
+    return record | {
+        "layer_errors": {stage: errors[stage] for stage in run},
+        "stages": {s: record["stages"][s] for s in run if s in record["stages"]},
+    }
 
 
 def _copy_state(module: Any) -> dict[str, torch.Tensor]:
