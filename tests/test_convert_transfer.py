@@ -247,3 +247,122 @@ def test_mixed_calibration_text_has_prose_and_code_in_disjoint_splits():
     assert not held_out & set(itertools.islice(documents("mixed", "train"), 40))
     pieces = split_documents(["line\n" * 3000], "validation")  # 15,000 characters: 4 pieces, the last held out
     assert len(pieces) == 1 and len(split_documents(["line\n" * 3000], "train")) == 3
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The command: stages, cache budget, distillation, resume, bad input
+# --------------------------------------------------------------------------------------------------------------
+def convert_argv(source_dir: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        *("convert", str(source_dir), "--variant", "Q-K=V", "--method", "transfer", "--output_dir", str(out)),
+        *("--calibration_file", str(corpus), "--calibration_tokens", "1024", "--calibration_block_size", "32"),
+        *("--validation_tokens", "128", "--transfer_steps", "12", "--transfer_batch_size", "4"),
+        *extra,
+    ]
+
+
+def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, tmp_path, capsys):
+    import qkvshare_cli
+
+    out = tmp_path / "out"
+    argv = convert_argv(source_dir, corpus, out, "--cache_budget", "0.75", "--distill_tokens", "256")
+    assert qkvshare_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "cache budget 0.75: tied layers" in printed and "KL to the source" in printed
+    record = json.loads((out / "conversion.json").read_text())
+    assert list(record["stages"]) == ["init", "closed_form", "transfer", "cache_budget", "distill"]
+    kl = [record["stages"][stage]["kl_to_source"] for stage in ("init", "closed_form", "transfer")]
+    assert kl[0] > kl[1] > kl[2] > 0, kl
+    errors = record["layer_errors"]
+    assert all(t < c < i for i, c, t in zip(errors["init"], errors["closed_form"], errors["transfer"]))
+    # The budget: 2 layers x 2 tensors x 2 heads x 16 x 2 bytes = 256 bytes for the source; 0.75 ties one layer,
+    # the one whose stage-(b) error is lower, and keeps the other exactly as the source has it.
+    budget = record["cache_budget"]
+    lower = min(range(2), key=lambda i: errors["transfer"][i])
+    assert budget["tied_layers"] == [lower] and budget["source_kv_bytes_per_token"] == 256
+    assert budget["kv_bytes_per_token"] == 192 and budget["fraction"] == 0.75
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_projection_sharing"] == ["kv" if i == lower else "none" for i in range(2)]
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    cache = QKVShareCache(model.config)
+    with torch.no_grad():
+        model(blocks(1, 10), cache=cache, use_cache=True)
+    assert sum(cache.layer_nbytes(i) for i in range(2)) == 10 * 192 * 2  # fp32: twice the 16-bit bytes
+    assert record["stages"]["distill"]["tokens"] >= 256 and "distill" in errors
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(source_dir).get_vocab()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the work folder is gone
+
+
+def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corpus, tmp_path, monkeypatch):
+    import qkvshare.convert.transfer as transfer
+    import qkvshare_cli
+
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "whole", "--seed", "3")) == 0
+    loss, calls = transfer.normalised_mse, []
+
+    def killed_at_the_17th_step(output, target):
+        calls.append(1)
+        if len(calls) == 17:
+            raise KeyboardInterrupt
+        return loss(output, target)
+
+    monkeypatch.setattr(transfer, "normalised_mse", killed_at_the_17th_step)
+    out = tmp_path / "resumed"
+    argv = convert_argv(source_dir, corpus, out, "--seed", "3")
+    with pytest.raises(KeyboardInterrupt):
+        qkvshare_cli.main(argv)
+    work = tmp_path / ".resumed.qkvshare-convert"
+    assert not out.exists() and (work / "plan.json").is_file()
+    assert (work / "stages" / "transfer" / "layer-000.safetensors").is_file()  # layer 0 finished before the kill
+    # Other settings do not continue it.
+    assert qkvshare_cli.main([*argv[:-2], "--seed", "4"]) == 2
+    monkeypatch.setattr(transfer, "normalised_mse", loss)
+    assert qkvshare_cli.main(argv) == 0
+    whole = json.loads((tmp_path / "whole" / "conversion.json").read_text())["layer_errors"]
+    assert json.loads((out / "conversion.json").read_text())["layer_errors"] == whole
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict() for name in ("whole", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and not work.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--method", "key", "--transfer_steps", "5"],
+            "--transfer_steps 5, --transfer_batch_size 4 set(s) a stage of --method transfer, but the method is key",
+        ),
+        (["--cache_budget", "1.5"], "--cache_budget 1.5 must be in (0, 1]"),
+        (["--cache_budget", "0.4"], "--cache_budget 0.4 is below what Q-GQA-2 reaches with every layer tied (0.5"),
+        (["--variant", "Q-MQA", "--cache_budget", "0.6"], "pools the source's 2 key/value heads into 1"),
+        (["--variant", "QKV"], "changes none of the source's (an exact copy)"),
+        (["--distill_lm_weight", "1"], "--distill_lm_weight 1.0 must be in [0, 1)"),
+        (["--validation_tokens", "0"], "--validation_tokens 0 must be at least 1"),
+    ],
+)
+def test_cli_transfer_bad_input_is_refused_before_any_work(source_dir, corpus, tmp_path, capsys, extra, message):
+    import qkvshare_cli
+
+    argv = convert_argv(source_dir, corpus, tmp_path / "out")
+    for flag, value in zip(extra[::2], extra[1::2]):
+        at = argv.index(flag) if flag in argv else None
+        argv = argv + [flag, value] if at is None else argv[: at + 1] + [value] + argv[at + 2 :]
+    assert qkvshare_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_budget_ties_the_lowest_error_layers_until_the_bytes_fit():
+    from qkvshare import QKVShareConfig
+    from qkvshare.convert.budget import check_cache_budget, choose_tied_layers
+
+    config = QKVShareConfig.from_llama(llama(2, layers=4).config, "Q-K=V")
+    errors = [0.4, 0.1, None, 0.3]
+    per_layer = 2 * HEAD_DIM * 2  # one tensor of 2 heads, 16-bit
+    for budget, tied in [(1.0, []), (0.9, [1]), (0.75, [1, 3]), (0.7, [0, 1, 3]), (0.5, [0, 1, 2, 3])]:
+        choice = choose_tied_layers(config, errors, budget)
+        assert choice.tied_layers == tied, budget
+        assert choice.kv_bytes_per_token == (8 - len(tied)) * per_layer <= budget * 8 * per_layer
+    assert check_cache_budget(config, 2, 0.5) == 0.5
+    with pytest.raises(ValueError, match="ties no key to its value"):
+        check_cache_budget(QKVShareConfig.from_llama(llama(4).config, "Q=K-V"), 4, 0.9)
