@@ -15,18 +15,10 @@ from typing import Any
 import torch
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.convert import io as files
 from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import DistillSettings, run_distillation
-from qkvshare.convert.io import (
-    ConversionWriteError,
-    load_source,
-    load_source_tokenizer,
-    publish,
-    read_source_config,
-    save_converted,
-    work_dir_for,
-)
 from qkvshare.convert.transfer import TransferSettings, kl_to_source, measure_layer_errors, source_log_probs
 from qkvshare_cli import main as cli_main
 from qkvshare_cli.conventions import report_bad_input
@@ -36,11 +28,11 @@ from qkvshare_cli.convert import RECORD_FILE, TRANSFER_DEFAULTS
 def run(args: argparse.Namespace) -> ConversionRecord:
     """Check everything that needs no weights, read calibration text, load the source, convert (resumably, with
     --method transfer), distil (stage c), and publish the model directory whole."""
-    source_config = read_source_config(args.source)
+    source_config = files.read_source_config(args.source)
     config, method, query_method = plan_conversion(
-        source_config, args.variant, args.method, args.query_method, args.cache_budget, **args.overrides
+        source_config, args.variant, args.method, args.query_method, cache_budget=args.cache_budget, **args.overrides
     )
-    tokenizer = load_source_tokenizer(args.source)
+    tokenizer = files.load_source_tokenizer(args.source)
     source_kv = source_config.get("num_key_value_heads") or source_config["num_attention_heads"]
     ids = validation = description = None
     changes_attention = method is not None or config.num_key_value_heads < source_kv or query_method is not None
@@ -60,7 +52,7 @@ def run(args: argparse.Namespace) -> ConversionRecord:
         check_calibration_ids(validation, config, "the validation split of the calibration text")
     out = Path(args.output_dir)
     work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
-    source = load_source(args.source)
+    source = files.load_source(args.source)
     started = time.perf_counter()
     model, record = convert(
         source,
@@ -82,35 +74,28 @@ def run(args: argparse.Namespace) -> ConversionRecord:
     if method == "transfer" and args.distill_tokens > 0:
         model = distil(args, source, model, record, tokenizer, validation, work)
     record.seconds = round(time.perf_counter() - started, 2)
-    publish(lambda folder: save_converted(model, record, folder, tokenizer, args.dtype), out)
+    files.publish(lambda folder: files.save_converted(model, record, folder, tokenizer, args.dtype), out)
     if work is not None:
         shutil.rmtree(work)
     _print_summary(record, model.config, source_config, out)
     return record
 
 
+# dataclass field <- command flag, for each stage's settings
+TRANSFER_FLAGS = {"ridge": "ridge", "steps": "transfer_steps", "batch_size": "transfer_batch_size", "seed": "seed"}
+TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate"}
+DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_rate", "temperature", "lm_weight")}
+DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
+
+
 def transfer_settings(args: argparse.Namespace) -> TransferSettings:
     """Stages (a) and (b) from the command's flags."""
-    return TransferSettings(
-        ridge=args.ridge,
-        steps=args.transfer_steps,
-        batch_size=args.transfer_batch_size,
-        learning_rate=args.transfer_learning_rate,
-        seed=args.seed,
-    )
+    return TransferSettings(**{field: getattr(args, flag) for field, flag in TRANSFER_FLAGS.items()})
 
 
 def distill_settings(args: argparse.Namespace) -> DistillSettings:
     """Stage (c) from the command's flags."""
-    return DistillSettings(
-        tokens=args.distill_tokens,
-        batch_size=args.distill_batch_size,
-        block_size=args.calibration_block_size,
-        learning_rate=args.distill_learning_rate,
-        temperature=args.distill_temperature,
-        lm_weight=args.distill_lm_weight,
-        seed=args.seed,
-    )
+    return DistillSettings(**{field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()})
 
 
 def conversion_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,7 +107,7 @@ def conversion_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
     """The work folder of the conversion into `out`: new, or an interrupted one with the same plan (continued)."""
-    work = work_dir_for(out)
+    work = files.work_dir_for(out)
     plan_file = work / "plan.json"
     if plan_file.is_file():
         saved = json.loads(plan_file.read_text())
@@ -152,7 +137,7 @@ def distil(
     folder, and record its errors, KL divergence, tokens and time. Returns the distilled model."""
     stage_model = work / "stage-model"
     if not (stage_model / RECORD_FILE).is_file():  # written last: the folder is complete
-        save_converted(model, record, stage_model, tokenizer)
+        files.save_converted(model, record, stage_model, tokenizer)
     started = time.perf_counter()
     train_texts, _ = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
     held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
@@ -223,7 +208,7 @@ def execute(args: argparse.Namespace) -> int:
         run(args)
     except ValueError as err:
         return report_bad_input("convert", err)
-    except (ConversionWriteError, DistillationStopped) as err:
+    except (files.ConversionWriteError, DistillationStopped) as err:
         print(f"qkvshare convert: stopped: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -89,6 +89,7 @@ def plan_conversion(
     variant: str | None = None,
     method: str | None = None,
     query_method: str | None = None,
+    *,
     cache_budget: float | None = None,
     **overrides: Any,
 ) -> tuple[QKVShareConfig, str | None, str | None]:
@@ -207,7 +208,7 @@ def convert(
     if calibration not in CALIBRATIONS:
         raise ValueError(f"calibration={calibration!r} is not a calibration; use one of {', '.join(CALIBRATIONS)}.")
     config, method, query_method = plan_conversion(
-        source.config, variant, method, query_method, cache_budget, **overrides
+        source.config, variant, method, query_method, cache_budget=cache_budget, **overrides
     )
     if method in ("calibrated", "transfer") or calibration_ids is not None:
         check_calibration_ids(calibration_ids, config)
