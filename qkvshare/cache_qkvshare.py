@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers.cache_utils import (
@@ -271,12 +271,18 @@ class TiedStaticSlidingWindowLayer(TiedStaticLayer, StaticSlidingWindowLayer):
 
 
 class _TiedQuantizedLayerMixin(OneTensorLayerMixin):
-    """What the tied quantized layers share: one (empty) residual tensor at initialization, no batch edits."""
+    """What the tied quantized layers share: one (empty) residual tensor at initialization, a token counter that
+    every update advances, no batch edits."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.device = key_states.device
         self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))  # (B, H_kv, 0, D)
         self.is_initialized = True
+
+    def _start_update(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> bool:
+        first = super()._start_update(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]  # the length of a quantized layer is this count
+        return first
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError(
@@ -305,9 +311,7 @@ class TiedQuantizedLayerMixin(_TiedQuantizedLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new tied states (B, H_kv, T_new, D); return every token (dequantized + residual + new) twice."""
-        first = self._start_update(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        if first:
+        if self._start_update(key_states, value_states):
             self._quantized_keys = self._quantize(key_states.contiguous(), axis=self.axis_key)
             return key_states, key_states
         dequantized = self._dequantize(self._quantized_keys)
@@ -340,7 +344,7 @@ class TiedQuantoQuantizedLayer(TiedQuantizedLayerMixin, QuantoQuantizedLayer):
 class TiedHQQQuantizedLayer(TiedQuantizedLayerMixin, HQQQuantizedLayer):
     """Quantized (HQQ, int1-4 and int8) cache layer for a tied-K/V attention layer: one quantized tensor. Not in the
     test suite (hqq is not a test dependency: installed, transformers imports it in every process); checked by
-    `qkvshare bench --decode` (int8 cells: bytes equal theory) and the README's HQQ measurements."""
+    `qkvshare bench --decode` (int8 cells: bytes equal theory; docs/results.md, sections 8.2 and 9)."""
 
 
 class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
@@ -358,9 +362,7 @@ class TiedFp8QuantizedLayer(_TiedQuantizedLayerMixin, Fp8QuantizedLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tied states in FP8; return every token dequantized, twice."""
-        first = self._start_update(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        if first:
+        if self._start_update(key_states, value_states):
             return key_states, key_states
         quantized, scale = self._quantized_keys
         new, _ = self._quantize(key_states, scale=scale)
@@ -653,15 +655,16 @@ KeyMaker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attended_states(
+    kv_tie_point: str | None,
     key: torch.Tensor,
     value: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
-    kv_tie_point: str | None,
+    rotation: Rotation | None,
     make_key: KeyMaker | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The key and value attention reads for the new tokens alone, from what `QKVShareCacheMixin.attend` takes (see
-    there; `rope` is the new tokens' cos/sin): what a layer computes without a cache, and what a transformers cache
-    stores (two tensors, whatever the layer ties)."""
+    there): what a layer computes without a cache, and what a transformers cache stores (two tensors, whatever the
+    layer ties). `kv_tie_point` says whether a tied value is the rotated key ("post_rope") or not ("pre_rope")."""
+    rope = rotation.new if rotation is not None else None
     if make_key is not None:  # QV-Ka: the key from the context and the value
         return rotate(make_key(key, value), rope), value
     rotated = rotate(key, rope)
@@ -979,7 +982,8 @@ class QKVShareQuantizedCache(QKVShareCacheMixin, QuantizedCache):
             )
         packages = {  # backend: (package, is it installed, how to install it); fp8 needs none
             "quanto": ("optimum-quanto", is_optimum_quanto_available, 'pip install "qkvshare[quantized]"'),
-            "hqq": ("hqq", is_hqq_available, "pip install hqq"),  # not in [quantized]: see the README
+            # not in [quantized]: once installed, hqq is imported by every import of transformers (seconds)
+            "hqq": ("hqq", is_hqq_available, "pip install hqq"),
         }
         package, installed, install = packages.get(backend, ("", None, ""))
         if installed is not None and not installed():
@@ -1010,22 +1014,14 @@ class ForeignCache:
         self.cache = cache  # the user's cache, filled in place
         self.layout = layout
 
+    def attend(self, layer_idx: int, *states: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`QKVShareCacheMixin.attend` (same arguments after `layer_idx`), storing the attended key and value of the
+        new tokens."""
+        return self.cache.update(*attended_states(self.layout.kv_tie_point, *states), layer_idx)
+
     def update_positions(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The new tokens' positions for every attention type: without recorded positions, that is all there is."""
         return dict.fromkeys(self.layout.present_attention_types, position_ids)
-
-    def attend(
-        self,
-        layer_idx: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotation: Rotation | None,
-        make_key: KeyMaker | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `QKVShareCacheMixin.attend`, storing the attended key and value of the new tokens."""
-        rope = rotation.new if rotation is not None else None
-        states = attended_states(key, value, rope, self.layout.kv_tie_point, make_key)
-        return self.cache.update(*states, layer_idx)
 
 
 def cache_for_model(

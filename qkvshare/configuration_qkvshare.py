@@ -253,28 +253,21 @@ def variant_name(config: "QKVShareConfig") -> str:
     return f"Q-{head_part}" if SHARING_MODES[mode].kv_tied else head_part
 
 
-# Named presets (see README). The paper's models are GPT-2 style; the llama-* presets are the same shapes in
+# Named presets (docs/design.md, section 2.4). The paper's models are GPT-2 style; the llama-* presets are the same shapes in
 # the Llama style (RMSNorm, SwiGLU with the usual 8/3 ratio rounded to a multiple of 256, RoPE, no biases).
 # The two block styles as config fields; `from_preset(..., **ARCHITECTURE_STYLES["gpt2"])` switches a preset.
+_STYLE_FIELDS = (
+    "norm_type",
+    "norm_eps",
+    "mlp_type",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "position_embedding_type",
+)
 ARCHITECTURE_STYLES: dict[str, dict[str, Any]] = {
-    "gpt2": dict(
-        norm_type="layernorm",
-        norm_eps=1e-5,
-        mlp_type="plain",
-        hidden_act="gelu_new",
-        attention_bias=True,
-        mlp_bias=True,
-        position_embedding_type="learned",
-    ),
-    "llama": dict(
-        norm_type="rmsnorm",
-        norm_eps=1e-5,
-        mlp_type="gated",
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        position_embedding_type="rope",
-    ),
+    "gpt2": dict(zip(_STYLE_FIELDS, ("layernorm", 1e-5, "plain", "gelu_new", True, True, "learned"), strict=True)),
+    "llama": dict(zip(_STYLE_FIELDS, ("rmsnorm", 1e-5, "gated", "silu", False, False, "rope"), strict=True)),
 }
 # GPT-2 tokenizer padded to a multiple of 64, 2048 positions, tied head: the paper's LM setup.
 _PAPER_LM = dict(
@@ -304,7 +297,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-    # About 5M parameters: the CPU pretraining recipe (README main job).
+    # About 4M parameters: the CPU pretraining recipe (the README's main job).
     "small": dict(
         _LLAMA_STYLE,
         vocab_size=4096,
@@ -451,7 +444,7 @@ class QKVShareConfig(PreTrainedConfig):
         attention_map_pe_layout (`str`, defaults to `"original"`): `"original"` (Borji 2023, the paper's code) or
             `"reproduction"` (first m//2 channels encode the row, the rest the column).
         attention_map_pe_init (`str`, defaults to `"xavier"`): init of the 1x1 map. `"xavier"` is the original
-            code's and the one under which "+" measurably helps on the synthetic tasks (see README); `"unit_scale"`
+            code's and the one under which "+" measurably helps on the synthetic tasks (docs/results.md, section 4); `"unit_scale"`
             sets every weight to 1/m so the score scale starts at exactly 1; `"normal"` is the reproduction's
             N(0, initializer_range). Xavier and normal can shrink or flip the score scale sum(w) at init.
         kv_tie_point (`str`, defaults to `"post_rope"`): with RoPE and tied K/V, whether V is the rotated key

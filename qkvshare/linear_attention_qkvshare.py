@@ -166,12 +166,12 @@ class QKVShareLinearAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        """hidden_states (B, T, hidden) -> (output (B, T, hidden), None). `position_embeddings` is unused (no RoPE).
+        """hidden_states (B, T, hidden) -> (output (B, T, hidden), None). The other attention inputs (RoPE, "+"
+        encodings) do not apply to this kernel and are ignored.
 
         With a cache, the layer's state is read, advanced by the T new tokens and written back; T=1 is the
         recurrent decode step.

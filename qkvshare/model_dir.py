@@ -20,13 +20,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoConfig, PreTrainedConfig
+
+import qkvshare
 from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
 from qkvshare.evaluation.common import read_config_json, safetensors_files
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
 
 CHECKED_MODEL_TYPES = ("qkvshare", *LLAMA_ARCHITECTURES)
 SHOWN = 8  # groups of tensor names listed per kind of problem; the rest are counted
@@ -35,8 +38,6 @@ _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 def saved_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of safetensors files, from their headers only."""
-    from safetensors import safe_open
-
     shapes = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -47,10 +48,6 @@ def saved_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
 
 def _model_class(config: PreTrainedConfig) -> Any:
     """The class config.json's `architectures` names (QKVShare's or transformers'), else AutoModelForCausalLM."""
-    import transformers
-
-    import qkvshare
-
     for name in getattr(config, "architectures", None) or ():
         found = getattr(qkvshare, name, None) or getattr(transformers, name, None)
         if found is not None:
@@ -63,8 +60,6 @@ def weight_mismatches(
 ) -> tuple[list[str], list[str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
     """(missing, unexpected, {name: (saved shape, config's shape)}) of the tensors `saved` against the model that
     `model_class` (an Auto class or a model class; default: the config's architecture) builds from `config`."""
-    import torch
-
     model_class = model_class or _model_class(config)
     build = getattr(model_class, "from_config", model_class)  # Auto classes build through from_config
     with torch.device("meta"):
@@ -146,8 +141,6 @@ def check_weights_fit_config(
     message names the input (default "model directory 'DIR'"). Nothing is raised for a model type outside
     `CHECKED_MODEL_TYPES` or a directory without safetensors weights (see the module docstring).
     """
-    from transformers import AutoConfig
-
     model_dir = Path(model_dir)
     label = label or f"model directory {str(model_dir)!r}"
     if config is None:

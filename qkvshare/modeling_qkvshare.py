@@ -159,7 +159,7 @@ def grouped_decode_sdpa(
     sdpa interface returns. The G = H / H_kv query heads of a group become G query rows of their key/value head,
     (B, H_kv, G, D), so the cache is read once per key/value head. transformers' sdpa integration does the same in
     eager mode but, while dynamo traces (torch.compile, torch.export), falls back to `repeat_kv`, which copies the
-    whole cache to every query head in every layer and step (5x Llama's decode time at batch 8 and 16k context).
+    whole cache to every query head in every layer and step (docs/results.md, section 9.6).
     """
     heads, groups = query.shape[1], query.shape[1] // key.shape[1]
     # transformers' own packing: the query, and a per-head mask (ALiBi: (B, H, 1, S) -> (B, H_kv, G, S)) with it
@@ -311,7 +311,7 @@ class QKVShareAttention(nn.Module):
         if cache is not None:
             key, value = cache.attend(self.layer_idx, key, value, rotation, make_key)  # (B, H_kv, T_keys, D)
         else:
-            key, value = attended_states(key, value, position_embeddings, self.config.kv_tie_point, make_key)
+            key, value = attended_states(self.config.kv_tie_point, key, value, rotation, make_key)
 
         if self.attention_map_pe is not None:  # S' = S * sum(w) + P.w + b
             query = query * self.attention_map_pe.weight.sum().to(query.dtype)

@@ -9,7 +9,8 @@ subclass and is now natively supported by torch.compile as an opaque value type 
 torchao's authors. QKVShare uses no torchao kernel, so neither line concerns a user of the commands.
 
 Both are Python `logging` records (on the loggers "torchao" and "torch.utils._pytree"), so a filter on those two
-loggers drops exactly these records; anything else they log still shows. Standard library only, and it must run
+loggers drops exactly these records; anything else they log still shows. (The same holds for accelerate's note on
+a tied LM head at every training checkpoint, see `KNOWN_HARMLESS`.) Standard library only, and it must run
 before transformers' modeling code is first imported (before `import qkvshare`): that import is what loads torchao.
 """
 
@@ -20,6 +21,9 @@ import re
 
 KNOWN_HARMLESS = {
     "torchao": re.compile(r"^Failed to load \S*torchao[/\\]_C\w*[^/\\]*\.so: "),
+    # accelerate's save_state keeps one copy of tensors that share storage and asks the reader to check the reload:
+    # a tied LM head (`tie_word_embeddings`) is that by design and is tied again on load (resume is exact: tests).
+    "accelerate.utils.other": re.compile(r"^(\[RANK \d+\] )?Removed shared tensor \{'lm_head\.weight'\} while saving"),
     "torch.utils._pytree": re.compile(
         r"is an Enum subclass and is now natively supported by torch\.compile as an opaque value type"
     ),

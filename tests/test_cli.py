@@ -166,6 +166,10 @@ def test_commands_hide_only_the_known_harmless_log_lines_of_torchao():
         ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile as an "
          "opaque value type. Calling register_constant() on Enum subclasses is deprecated", False),
         ("torch.utils._pytree", "another pytree warning", True),
+        ("accelerate.utils.other", "[RANK 0] Removed shared tensor {'lm_head.weight'} while saving. This should be "
+         "OK, but check by verifying that you don't receive any warning while reloading", False),
+        ("accelerate.utils.other", "[RANK 0] Removed shared tensor {'model.layers.0.mlp.up_proj.weight'} while "
+         "saving.", True),
     ]  # fmt: skip
     for name, message, shown in cases:
         logger = logging.getLogger(name)

@@ -59,7 +59,6 @@ def eager_tokens(model, prompt: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- torch.compile
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_decode_step_compiles_to_one_graph_and_matches_eager(name, prompt):
     assert QKVShareForCausalLM._can_compile_fullgraph
@@ -117,7 +116,6 @@ def test_compiled_grouped_decode_step_reads_the_cache_without_repeating_it(promp
         torch.testing.assert_close(step(prompt[:, -1:]), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_generate_with_static_cache_and_compile_gives_the_eager_tokens(prompt):
     model = build("tied")
     expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache_implementation="static")
@@ -164,7 +162,6 @@ def test_caches_flatten_and_rebuild_exactly(static, prompt):
     assert torch.utils._pytree.treespec_loads(dumped) == spec
 
 
-@pytest.mark.slow
 def test_torch_export_of_prefill_and_decode_takes_the_static_tied_cache(prompt):
     model = build("plus")
 
@@ -214,7 +211,6 @@ def programs(request, tmp_path_factory):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("runner", ["decoder", "exported", "executorch", "onnx"])
 def test_exported_programs_generate_the_eager_tokens(programs, runner, prompt):
     expected = eager_tokens(programs["model"], prompt)
@@ -222,7 +218,6 @@ def test_exported_programs_generate_the_eager_tokens(programs, runner, prompt):
     assert torch.equal(greedy_generate(programs[runner], prompt, NEW), expected)  # a new prompt restarts at slot 0
 
 
-@pytest.mark.slow
 def test_export_wrapper_holds_one_buffer_per_tied_layer(programs):
     decoder = programs["decoder"]
     config = decoder.model.config
@@ -293,7 +288,6 @@ def test_export_command_refuses_bad_input_before_any_work(tmp_path, monkeypatch,
     assert not list(learned.glob("model.pte")) + list(learned.glob("model.onnx"))  # nothing written
 
 
-@pytest.mark.slow
 def test_export_command_writes_an_onnx_model_with_the_cache_bytes(tmp_path, capsys):
     build("tied").save_pretrained(tmp_path)
     output = tmp_path / "tied.onnx"

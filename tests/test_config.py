@@ -247,7 +247,6 @@ if int(os.environ["RANK"]) == 0:
 """
 
 
-@pytest.mark.slow
 def test_tensor_parallel_on_two_cpu_ranks_gives_the_unsharded_logits(tmp_path):
     """The plan run for real: 2 gloo ranks shard each variant's projections and reproduce the unsharded logits."""
     configs = ["Q=K=V", "Q-GQA-2", "mix none/qkv", "(Q=K=V)+/gpt2"]

@@ -360,7 +360,6 @@ def without_use_cpu(argv: list[str]) -> list[str]:
     return argv[:i] + argv[i + 2 :]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the path of a machine without GPUs")
 def test_multi_gpu_launch_without_gpu_gives_two_gloo_ranks_that_match_one_process(corpus_file, tmp_path):
     """`accelerate launch --multi_gpu` on a machine without GPUs trains as two real CPU ranks (not two separate

@@ -637,7 +637,6 @@ FSDP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; GPUs run FSDP through accelerate directly")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the path of a machine without GPUs")
 def test_fsdp_recipe_without_gpus_is_refused_before_any_work(corpus_file, tmp_path, monkeypatch, capsys):

@@ -15,7 +15,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import slug
+from qkvshare_cli.conventions import report_bad_input, slug
 from qkvshare_cli.eval import DEFAULT_TASKS, EvalArgs
 from qkvshare_cli.extras import require
 
@@ -191,8 +191,7 @@ def execute(args: EvalArgs) -> int:
             return 0
         run(args)
     except EvalInputError as err:
-        print(f"qkvshare eval: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("eval", err)
     return 0
 
 

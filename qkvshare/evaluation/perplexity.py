@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qkvshare_cli import main as cli_main
+from qkvshare_cli.conventions import report_bad_input
 from qkvshare_cli.extras import require
 from qkvshare_cli.perplexity import PerplexityArgs
 
@@ -212,8 +213,7 @@ def execute(args: PerplexityArgs) -> int:
     try:
         run(args)
     except EvalInputError as err:
-        print(f"qkvshare perplexity: error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input("perplexity", err)
     except NonFiniteResultError as err:
         print(f"qkvshare perplexity: error: {err}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """`qkvshare train`: pretrain a QKVShare model with Accelerate, from one CPU core to many GPUs.
 
-    qkvshare train configs/cpu-small.yaml                       # the README's 10-minute CPU run
+    qkvshare train configs/cpu-small.yaml                       # the README's main job
     accelerate launch -m qkvshare.train configs/paper-300m.yaml --variant Q-K=V
     accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare.train configs/paper-1.2b.yaml --variant QKV
 
@@ -365,6 +365,14 @@ def init_from_tokenizer(init_from: str, tokenizer_name: str | None, config: QKVS
     return tokenizer
 
 
+def _at_least_one_block(tokens: Any, block_size: int, max_samples: int | None, split: str, fix: str) -> PackedBlocks:
+    """`tokens` packed into blocks; a TrainingSetupError naming `split` and `fix` when not even one block fits."""
+    blocks = PackedBlocks(tokens, block_size, max_samples)
+    if len(blocks) == 0:
+        raise TrainingSetupError(f"{split} has {len(tokens)} tokens, fewer than one block of {block_size + 1}; {fix}.")
+    return blocks
+
+
 def prepare_data(
     args: Arguments,
     accelerator: Any,
@@ -377,13 +385,13 @@ def prepare_data(
     """Tokenize and pack; check there is at least one block on each side and, when resuming, that the data is
     the checkpoint's. Returns (validation blocks, training data, token fingerprint of in-memory data)."""
     d, t = args.data, args.train
-    val_tokens = tokenize_documents(tokenizer, corpus.validation)
-    val_blocks = PackedBlocks(val_tokens, block_size, d.max_eval_samples)
-    if len(val_blocks) == 0:
-        raise TrainingSetupError(
-            f"the validation split has {len(val_tokens)} tokens, fewer than one block of {block_size + 1}; "
-            "lower --block_size, raise --validation_split_percentage or give a larger --validation_file."
-        )
+    val_blocks = _at_least_one_block(
+        tokenize_documents(tokenizer, corpus.validation),
+        block_size,
+        d.max_eval_samples,
+        "the validation split",
+        "lower --block_size, raise --validation_split_percentage or give a larger --validation_file",
+    )
     if corpus.streaming:
         train_data = StreamingTrainData(
             corpus.train,
@@ -394,13 +402,13 @@ def prepare_data(
             t.gradient_accumulation_steps,
         )
         return val_blocks, train_data, None
-    train_tokens = tokenize_documents(tokenizer, corpus.train)
-    blocks = PackedBlocks(train_tokens, block_size, d.max_train_samples)
-    if len(blocks) == 0:
-        raise TrainingSetupError(
-            f"the training corpus has {len(train_tokens)} tokens, fewer than one block of {block_size + 1}; "
-            "lower --block_size or add data."
-        )
+    blocks = _at_least_one_block(
+        tokenize_documents(tokenizer, corpus.train),
+        block_size,
+        d.max_train_samples,
+        "the training corpus",
+        "lower --block_size or add data",
+    )
     fingerprint = token_fingerprint(blocks.tokens[: len(blocks) * block_size + 1].numpy())
     if saved is not None and saved.get("data_fingerprint") != fingerprint:
         raise TrainingSetupError(
