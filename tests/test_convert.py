@@ -451,7 +451,7 @@ def _write_weights_then(error: BaseException):
 
 
 def test_a_failed_write_keeps_the_previous_conversion(source_dir, tmp_path, monkeypatch, capsys):
-    import qkvshare.convert.cli as command
+    import qkvshare.convert.io as command
 
     out = tmp_path / "converted"
     argv = ["convert", str(source_dir), "--variant", "Q-MQA", "--method", "key", "--output_dir", str(out)]
@@ -470,7 +470,7 @@ def test_a_failed_write_keeps_the_previous_conversion(source_dir, tmp_path, monk
 
 
 def test_a_conversion_killed_while_saving_leaves_no_model_directory(source_dir, tmp_path, monkeypatch):
-    import qkvshare.convert.cli as command
+    import qkvshare.convert.io as command
 
     out = tmp_path / "converted"
     argv = ["convert", str(source_dir), "--variant", "Q-MQA", "--method", "key", "--output_dir", str(out)]

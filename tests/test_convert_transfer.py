@@ -363,6 +363,6 @@ def test_budget_ties_the_lowest_error_layers_until_the_bytes_fit():
         choice = choose_tied_layers(config, errors, budget)
         assert choice.tied_layers == tied, budget
         assert choice.kv_bytes_per_token == (8 - len(tied)) * per_layer <= budget * 8 * per_layer
-    assert check_cache_budget(config, 2, 0.5) == 0.5
+    assert check_cache_budget(config, "transfer", 2, 0.5) == 0.5
     with pytest.raises(ValueError, match="ties no key to its value"):
-        check_cache_budget(QKVShareConfig.from_llama(llama(4).config, "Q=K-V"), 4, 0.9)
+        check_cache_budget(QKVShareConfig.from_llama(llama(4).config, "Q=K-V"), "transfer", 4, 0.9)

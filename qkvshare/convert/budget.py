@@ -36,9 +36,14 @@ def layer_bytes(config: Any, cached_tensors: int, bytes_per_element: int = 2) ->
     return cached_tensors * config.num_key_value_heads * config.head_dim * bytes_per_element
 
 
-def check_cache_budget(config: Any, source_kv_heads: int, budget: float) -> float:
-    """The smallest fraction `config` (every layer converted) reaches; a `ValueError` when `budget` cannot be
-    met or the variant cannot take a budget. Called before any weight is read."""
+def check_cache_budget(config: Any, method: str | None, source_kv_heads: int, budget: float | None) -> float | None:
+    """The smallest fraction `config` (every layer converted) reaches, None without a budget; a `ValueError` when
+    `budget` cannot be met, the variant cannot take a budget or the method is not `transfer`. Called before any
+    weight is read."""
+    if budget is None:
+        return None
+    if method != "transfer":
+        raise ValueError("cache_budget chooses layers from the errors of the transfer stages: use method='transfer'.")
     if not 0 < budget <= 1:
         raise ValueError(f"--cache_budget {budget} must be in (0, 1]: the fraction of the source's KV bytes to keep.")
     if config.num_key_value_heads != source_kv_heads:

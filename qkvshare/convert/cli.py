@@ -16,6 +16,7 @@ import torch
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.convert import io as files
+from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import DistillSettings, run_distillation
@@ -30,10 +31,11 @@ def run(args: argparse.Namespace) -> ConversionRecord:
     --method transfer), distil (stage c), and publish the model directory whole."""
     source_config = files.read_source_config(args.source)
     config, method, query_method = plan_conversion(
-        source_config, args.variant, args.method, args.query_method, cache_budget=args.cache_budget, **args.overrides
+        source_config, args.variant, args.method, args.query_method, **args.overrides
     )
     tokenizer = files.load_source_tokenizer(args.source)
     source_kv = source_config.get("num_key_value_heads") or source_config["num_attention_heads"]
+    check_cache_budget(config, method, source_kv, args.cache_budget)
     ids = validation = description = None
     changes_attention = method is not None or config.num_key_value_heads < source_kv or query_method is not None
     if method in ("calibrated", "transfer") and tokenizer is None:

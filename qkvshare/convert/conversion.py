@@ -89,13 +89,11 @@ def plan_conversion(
     variant: str | None = None,
     method: str | None = None,
     query_method: str | None = None,
-    *,
-    cache_budget: float | None = None,
     **overrides: Any,
 ) -> tuple[QKVShareConfig, str | None, str | None]:
     """The target config and the resolved K=V and Q=K methods, or a `ValueError` saying why the source cannot be
     converted so. `source_config` is a Llama-architecture config object or `config.json` dict. `method="transfer"`
-    applies to every changed layer (K=V, Q=K, pooled heads); `cache_budget` needs it."""
+    applies to every changed layer (K=V, Q=K, pooled heads)."""
     d = source_config.to_dict() if hasattr(source_config, "to_dict") else dict(source_config)
     check_architecture(d)
     if not hasattr(source_config, "to_dict"):  # a config.json may leave fields to their defaults
@@ -140,10 +138,6 @@ def plan_conversion(
             f"method='transfer' fits converted attention layers, but variant={variant!r} ({config.variant}) changes "
             "none of the source's (an exact copy); leave --method out."
         )
-    if cache_budget is not None and method != "transfer":
-        raise ValueError("cache_budget chooses layers from the errors of the transfer stages: use method='transfer'.")
-    if cache_budget is not None:
-        check_cache_budget(config, source_kv, cache_budget)
     if method is not None and method != "transfer" and not tied:
         raise ValueError(
             f"method={method!r} chooses how K=V layers are made, but variant={variant!r} ({config.variant}) has no "
@@ -207,15 +201,14 @@ def convert(
     started = time.perf_counter()
     if calibration not in CALIBRATIONS:
         raise ValueError(f"calibration={calibration!r} is not a calibration; use one of {', '.join(CALIBRATIONS)}.")
-    config, method, query_method = plan_conversion(
-        source.config, variant, method, query_method, cache_budget=cache_budget, **overrides
-    )
+    config, method, query_method = plan_conversion(source.config, variant, method, query_method, **overrides)
     if method in ("calibrated", "transfer") or calibration_ids is not None:
         check_calibration_ids(calibration_ids, config)
     if method == "transfer":
         check_calibration_ids(validation_ids, config, "validation_ids")
     heads = source.config.num_attention_heads
     source_kv = getattr(source.config, "num_key_value_heads", None) or heads
+    check_cache_budget(config, method, source_kv, cache_budget)
     model = build_converted(source.state_dict(), source_kv, config, method, query_method)
     errors, extra = {}, {}
     source.eval()
