@@ -202,20 +202,20 @@ def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monk
 
     source = llama(2)
     reference, _ = transferred(source, "Q-K=V", settings=TransferSettings(steps=0))
-    fit = transfer.fit_o_proj
+    fit = transfer.closed_form_fits
     calls = []
 
-    def fit_once(module, acts, layer, ridge, *args):
+    def fit_once(module, source_attention, acts, layer, ridge):
         calls.append(layer)
         if len(calls) == 2:
             raise StopAfter
-        fit(module, acts, layer, ridge, *args)
+        return fit(module, source_attention, acts, layer, ridge)
 
-    monkeypatch.setattr(transfer, "fit_o_proj", fit_once)
+    monkeypatch.setattr(transfer, "closed_form_fits", fit_once)
     with pytest.raises(StopAfter):
         transferred(source, "Q-K=V", tmp_path, settings=TransferSettings(steps=0))
     monkeypatch.setattr(
-        transfer, "fit_o_proj", lambda module, acts, layer, *a: calls.append(layer) or fit(module, acts, layer, *a)
+        transfer, "closed_form_fits", lambda m, s, a, layer, r: calls.append(layer) or fit(m, s, a, layer, r)
     )
     resumed, _ = transferred(source, "Q-K=V", tmp_path, settings=TransferSettings(steps=0))
     assert calls == [0, 1, 1]  # layer 0 came from its saved file

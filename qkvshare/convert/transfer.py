@@ -28,6 +28,7 @@ key-as-query copy, and (a)/(b) fit what pooling or the symmetric score lost.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -43,8 +44,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from qkvshare.convert.calibration import causal_mask, o_proj_input
+from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
 from qkvshare.train.schedule import get_lr
-from qkvshare_cli.convert import DEFAULT_TRANSFER_RIDGE
+from qkvshare_cli.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
 ERRORS_FILE = "errors.json"
@@ -171,34 +173,50 @@ def kl_to_source(reference: torch.Tensor, model: Any, ids: torch.Tensor, batch_s
     return total / (ids.shape[0] * ids.shape[1])
 
 
-def _o_proj_features(module: Any, acts: Activations, layer: int, index: Any) -> torch.Tensor:
-    """What the converted layer's o_proj receives on blocks `index`, flattened to (tokens, H * D)."""
-    x = acts.inputs[layer][index]
-    return o_proj_input(module, x, tuple(t.expand(x.shape[0], -1, -1) for t in acts.rope), acts.mask)
-
-
 @torch.no_grad()
-def fit_o_proj(module: Any, acts: Activations, layer: int, ridge: float, batch_size: int = 8) -> None:
-    """Stage (a): replace `module.o_proj` by the ridge least-squares map from its features to the source layer's
-    attention output (module docstring), accumulated over every block of `acts` in float64."""
+def closed_form_fits(
+    module: Any, source_attention: Any, acts: Activations, layer: int, ridge: float, batch_size: int = 8
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Stage (a)'s two candidate o_proj weights for the converted attention `module` (state dicts of its o_proj):
+
+    - "per_head": the calibrated method's per-head maps M_h (`fit_head_maps`, ridge `DEFAULT_RIDGE`) from the
+      converted layer's head outputs to the source layer's (what the source's o_proj receives), on the source's
+      hidden states, folded into o_proj;
+    - "full": the whole o_proj refitted in output space (module docstring), shrunk toward "per_head":
+      W = argmin ||F W^T + b - Y||^2 + lambda ||W - W_per_head||^2, lambda = ridge x mean diag(F^T F). With few
+      calibration tokens this map of every head at once overfits where per-head maps do not; the shrinkage
+      bounds the step away from them, and `run_stages` keeps whichever candidate is best on held-out tokens.
+    """
     o_proj = module.o_proj
     intercept = o_proj.bias is not None
     width = o_proj.in_features + int(intercept)
     gram = torch.zeros(width, width, dtype=torch.float64)
     cross = torch.zeros(width, o_proj.out_features, dtype=torch.float64)
+    features, head_targets = [], []
     for start in range(0, acts.blocks, batch_size):
-        index = slice(start, start + batch_size)
-        f = _o_proj_features(module, acts, layer, index).double()
+        x = acts.inputs[layer][start : start + batch_size]
+        rope = tuple(t.expand(x.shape[0], -1, -1) for t in acts.rope)
+        f = o_proj_input(module, x, rope, acts.mask)
+        features.append(f)
+        head_targets.append(o_proj_input(source_attention, x.to(source_attention.o_proj.weight.dtype), rope, acts.mask))
+        f = f.double()
         if intercept:
             f = torch.cat([f, f.new_ones(f.shape[0], 1)], dim=1)
-        y = acts.outputs[layer][index].reshape(-1, o_proj.out_features).double()
         gram += f.T @ f
-        cross += f.T @ y
-    lam = ridge * gram.diagonal().mean()
-    solution = torch.linalg.solve(gram + lam * torch.eye(width, dtype=gram.dtype), cross)  # (width, out)
-    o_proj.weight.copy_(solution[: o_proj.in_features].T.to(o_proj.weight.dtype))
+        cross += f.T @ acts.outputs[layer][start : start + batch_size].reshape(-1, o_proj.out_features).double()
+    per_head = copy.deepcopy(o_proj)
+    heads = module.config.num_attention_heads
+    maps = fit_head_maps(torch.cat(features), torch.cat(head_targets).float(), heads, DEFAULT_RIDGE, intercept)
+    fold_into_o_proj(per_head, maps)
+    prior = per_head.weight.double().T
     if intercept:
-        o_proj.bias.copy_(solution[-1].to(o_proj.bias.dtype))
+        prior = torch.cat([prior, per_head.bias.double()[None]], dim=0)
+    lam = ridge * gram.diagonal().mean()
+    solution = torch.linalg.solve(gram + lam * torch.eye(width, dtype=gram.dtype), cross + lam * prior)
+    full = {"weight": solution[: o_proj.in_features].T.to(o_proj.weight.dtype).contiguous()}
+    if intercept:
+        full["bias"] = solution[-1].to(o_proj.bias.dtype)
+    return {"per_head": {k: v.clone() for k, v in per_head.state_dict().items()}, "full": full}
 
 
 def batch_indices(blocks: int, batch_size: int, seed: int, layer: int, step: int) -> torch.Tensor:
@@ -375,13 +393,19 @@ def run_stages(
             record["stages"].setdefault(stage, {}).update(after_stage(stage))
         files.save_errors(record)
 
-    def keep_if_better(stage: str, i: int, before: dict[str, torch.Tensor], previous: str) -> None:
-        """A stage's result for layer i stays only if it lowers the layer's error on the validation tokens (a
-        fit that overfits its calibration text is undone); the layer's file holds what was kept."""
-        if layer_error(attention[i], validation, i) >= errors[previous][i]:
-            attention[i].load_state_dict(before)
+    def keep_best(stage: str, i: int, candidates: dict[str, dict[str, torch.Tensor]], module: Any) -> None:
+        """Load into `module` the candidate state with the lowest error on the validation tokens (a fit that
+        overfits its calibration text loses to the layer as it was); record the choice; save the layer."""
+        scores = {}
+        for name, state in candidates.items():
+            module.load_state_dict(state, strict=True)
+            scores[name] = layer_error(attention[i], validation, i)
+        best = min(scores, key=lambda name: (scores[name], name != "unchanged"))
+        module.load_state_dict(candidates[best], strict=True)
+        record.setdefault("choices", {}).setdefault(stage, {})[str(i)] = best
+        if best == "unchanged":
             record.setdefault("not_kept", {}).setdefault(stage, []).append(i)
-            files.save_errors(record)
+        files.save_errors(record)
         files.save_layer(stage, i, attention[i])
 
     if "init" not in errors:
@@ -390,15 +414,13 @@ def run_stages(
         settings.steps > 0 and "transfer" not in errors
     )
     train = source_activations(source, train_ids, settings.batch_size) if need_train else None
-    previous = "init"
 
     if settings.closed_form:
         started = time.perf_counter()
         for i in tqdm(layers, desc="closed form", disable=not progress, leave=False):
             if not files.load_layer("closed_form", i, attention[i]):
-                before = _copy_state(attention[i])
-                fit_o_proj(attention[i], train, i, settings.ridge)
-                keep_if_better("closed_form", i, before, previous)
+                fits = closed_form_fits(attention[i], source.model.layers[i].self_attn, train, i, settings.ridge)
+                keep_best("closed_form", i, {"unchanged": _copy_state(attention[i].o_proj)} | fits, attention[i].o_proj)
         if "closed_form" not in errors:
             record["stages"]["closed_form"] = {
                 "calibration_tokens": int(train.tokens),
@@ -406,7 +428,6 @@ def run_stages(
                 "seconds": round(time.perf_counter() - started, 2),
             }
             measure("closed_form")
-        previous = "closed_form"
 
     if settings.steps > 0:
         started = time.perf_counter()
@@ -418,7 +439,7 @@ def run_stages(
                 continue
             before = _copy_state(attention[i])
             losses = train_layer(attention[i], train, i, settings, files, bar, on_step)
-            keep_if_better("transfer", i, before, previous)
+            keep_best("transfer", i, {"unchanged": before, "trained": _copy_state(attention[i])}, attention[i])
             files.clear_progress()
             if losses:
                 final_losses[str(i)] = losses[-1]
