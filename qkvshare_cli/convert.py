@@ -155,7 +155,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="tie point of K=V layers (default: pre_rope for calibrated, else the config default post_rope)",
     )
-    p.add_argument("--calibration_file", default=None, help=".txt or .jsonl (text column); default: embedded corpus")
+    p.add_argument(
+        "--calibration_file", default=None, help=".txt or .jsonl (text column); default: the embedded prose + code"
+    )
     p.add_argument("--calibration_tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS, help="tokens to calibrate on")
     p.add_argument("--calibration_block_size", type=int, default=DEFAULT_CALIBRATION_BLOCK, help="tokens per sequence")
     p.add_argument(

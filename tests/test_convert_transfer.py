@@ -157,6 +157,7 @@ def test_each_stage_lowers_the_held_out_attention_error(variant, kv_heads):
         # which it cannot, and there the refit is not kept (it did not lower the validation error)
         if variant != "Q=K-V":
             assert closed < init, (variant, layer, init, closed)
+            assert record["choices"]["closed_form"][str(layer)] in ("per_head", "full")
     assert record["stages"]["transfer"]["tokens_per_layer"] == 40 * 4 * 32
     assert record["stages"]["closed_form"]["calibration_tokens"] == 32 * 32 and "transfer" not in record.get(
         "not_kept", {}
