@@ -144,8 +144,13 @@ def main() -> None:
         )
         return model, record, started
 
-    stage_rows = {"transfer-a": ("Q-K=V", 0, "work-qkv"), "transfer-b": ("Q-K=V", args.transfer_steps, "work-qkv")}
-    stage_rows |= {"mqa-a": ("Q-MQA", 0, "work-mqa"), "mqa-b": ("Q-MQA", args.transfer_steps, "work-mqa")}
+    # one work folder per variant and stage-(b) budget (a folder refuses other settings; stage (a) alone has its own)
+    b = f"c{args.calibration_tokens}-s{args.transfer_steps}x{args.transfer_batch_size}"
+    stage_rows = {
+        "transfer-a": ("Q-K=V", 0, "work-qkv-a"),
+        "transfer-b": ("Q-K=V", args.transfer_steps, f"work-qkv-{b}"),
+    }
+    stage_rows |= {"mqa-a": ("Q-MQA", 0, "work-mqa-a"), "mqa-b": ("Q-MQA", args.transfer_steps, f"work-mqa-{b}")}
     for label, (variant, steps, work) in stage_rows.items():
         if label in args.rows and label not in results.rows:
             model, record, started = transfer(variant, steps, work)
@@ -163,13 +168,13 @@ def main() -> None:
     if "budgets" in args.rows:
         wanted = [b for b in args.budgets if f"budget-{b}" not in results.rows]
         if wanted:
-            model, record, _ = transfer("Q-K=V", args.transfer_steps, "work-qkv")
+            model, record, _ = transfer("Q-K=V", args.transfer_steps, f"work-qkv-{b}")
             for budget in wanted:
                 started = time.perf_counter()
                 mixed, choice = budget_model(source, model, record.layer_errors["transfer"], budget, "Q-K=V", None, {})
                 measure(f"budget-{budget}", mixed, started, tied_layers=choice.tied_layers, budget=budget)
     if "transfer-c" in args.rows and "transfer-c" not in results.rows:
-        model, record, _ = transfer("Q-K=V", args.transfer_steps, "work-qkv")
+        model, record, _ = transfer("Q-K=V", args.transfer_steps, f"work-qkv-{b}")
         stage_model = Path(save_model(model, record, "transfer-b"))
         started = time.perf_counter()
         texts = calibration_texts(None, 0, "train")[0]
@@ -180,7 +185,7 @@ def main() -> None:
             texts,
             held,
             tokenizer,
-            out / "work-qkv",
+            out / f"work-qkv-{b}",
             DistillSettings(tokens=args.distill_tokens, block_size=512),
         )
         from qkvshare import QKVShareForCausalLM

@@ -220,6 +220,8 @@ def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monk
     )
     resumed, _ = transferred(source, "Q-K=V", tmp_path, settings=TransferSettings(steps=0))
     assert calls == [0, 1, 1]  # layer 0 came from its saved file
+    with pytest.raises(ValueError, match=r"other settings \(ridge: 0.01 then, 0.5 now\)"):
+        transferred(source, "Q-K=V", tmp_path, settings=TransferSettings(steps=0, ridge=0.5))
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 

@@ -380,6 +380,18 @@ def run_stages(
     """
     files = StageFiles(work_dir)
     record = files.load_errors() or {"layer_errors": {}, "stages": {}}
+    fitted_on = {k: v for k, v in asdict(settings).items() if k not in ("closed_form", "save_steps")}
+    fitted_on |= {"layers": layers, "train_ids": list(train_ids.shape), "validation_ids": list(validation_ids.shape)}
+    if record.setdefault("settings", fitted_on) != fitted_on:
+        changed = [
+            f"{k}: {record['settings'].get(k)} then, {v} now"
+            for k, v in fitted_on.items()
+            if record["settings"].get(k) != v
+        ]
+        raise ValueError(
+            f"the work folder {work_dir} holds stages fitted with other settings ({'; '.join(changed)}); continue "
+            "with those settings, or use another (or an empty) work folder."
+        )
     count = len(model.model.layers)
     errors = record["layer_errors"]
     attention = [layer.self_attn for layer in model.model.layers]
