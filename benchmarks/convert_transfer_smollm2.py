@@ -18,8 +18,8 @@ time are recorded):
   tied; `budgets`: the (a)+(b) model under each of `--budgets` (layers chosen by their stage-(b) errors, the others
   exact copies of the source); `transfer-c`: (a)+(b)+(c), distilled for `--distill_tokens`;
 - `mqa-a`, `mqa-b`: Q-MQA (one key/value head, SmolLM2's 3 pooled; the paper's Q-GQA-1) after (a) and (a)+(b).
-`--lm_eval` adds the lm-eval 5-shot fixtures (`qkvshare eval --data_dir qkvshare/evaluation/fixtures`) for every
-row that has a saved model directory. The Pareto figure and table (perplexity against KV bytes per token) are
+`--lm_eval ROW ...` adds the lm-eval 5-shot fixtures (`qkvshare eval --data_dir qkvshare/evaluation/fixtures`) for
+those rows (each has a saved model directory; the budgets do not). The Pareto figure and table (perplexity against KV bytes per token) are
 written from whatever rows exist.
 """
 
@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--distill_tokens", type=int, default=262144)
     p.add_argument("--budgets", nargs="*", type=float, default=[0.9, 0.75, 0.6])
     p.add_argument("--eval_blocks", type=int, default=4, help="held-out blocks of 512 tokens per domain")
-    p.add_argument("--lm_eval", action="store_true", help="also the lm-eval 5-shot fixtures of saved models")
+    p.add_argument("--lm_eval", nargs="*", default=None, help="rows to score on the lm-eval 5-shot fixtures")
     return p.parse_args()
 
 
@@ -193,14 +193,14 @@ def main() -> None:
         distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         measure("transfer-c", distilled, started, model_dir=str(folder), tokens=metrics["tokens_seen"])
     if args.lm_eval:
-        run_lm_eval(results, out)
+        run_lm_eval(results, out, args.lm_eval)
     write_report(results, out, source_bytes)
 
 
-def run_lm_eval(results: Results, out: Path) -> None:
-    """lm-eval 5-shot on the fixtures for every row with a model directory and no score yet."""
+def run_lm_eval(results: Results, out: Path, labels: list[str]) -> None:
+    """lm-eval 5-shot on the fixtures for the rows `labels` (with a model directory and no score yet)."""
     for label, row in results.rows.items():
-        if "model_dir" not in row or "lm_eval" in row:
+        if label not in labels or "model_dir" not in row or "lm_eval" in row:
             continue
         target = out / "lm-eval" / label
         command = [sys.executable, "-m", "qkvshare.cli", "eval", row["model_dir"], "--data_dir", str(FIXTURES)]
