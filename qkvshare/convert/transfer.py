@@ -7,17 +7,22 @@ and their errors do not compound while they are fitted. When the key projection 
 key heads) every attention probability matrix P is exactly the source's, and the whole error is in the values.
 
 Stages (each resumable from a work folder; the errors before and after each go to `conversion.json`)
-- (a) closed form: per converted layer, o_proj refitted by ridge regression in output space, from the features
-  it receives, concat_h(P'_h U_g(h)) (P' the converted layer's attention, = P when the key is kept; U its shared
-  key/value), to the source layer's attention-block output y:
-      W_o, b_o = argmin ||F W^T + b - Y||^2 + lambda ||W||^2,  lambda = ridge x trace(F^T F) / width,
-  a map of the whole concatenation (it may mix heads), solved from the Gram matrix accumulated in float64 over the
-  calibration tokens. The calibrated method's per-head maps are a special case (block-diagonal); on the source's
-  hidden states this fit can only be better on the calibration tokens, and the ridge bounds the overfit.
+- (a) closed form: per converted layer, two candidate o_proj weights, and the one with the lowest error on the
+  held-out (validation) tokens is kept, or the layer as it was when neither is better:
+  "per_head", the calibrated method's maps M_h (one d_h x d_h map per query head from the converted head output
+  to the source's, folded into o_proj; `qkvshare_cli.convert`'s docstring), here fitted on the source's hidden
+  states; and "full", o_proj refitted by ridge regression in output space from the features it receives,
+  concat_h(P'_h U_g(h)) (P' the converted layer's attention, = P when the key is kept; U its shared key/value), to
+  the source layer's attention-block output y, shrunk toward the per-head solution:
+      W_o, b_o = argmin ||F W^T + b - Y||^2 + lambda ||W - W_per_head||^2,  lambda = ridge x trace(F^T F) / width,
+  a map of the whole concatenation (it may mix heads), solved from the Gram matrix accumulated in float64. The
+  full map has hidden x (hidden + 1) unknowns: with a few thousand calibration tokens it overfits (measured on
+  SmolLM2: held-out perplexity 82 against the per-head maps' 62, docs/results.md section 11.2), hence the
+  shrinkage and the held-out choice.
 - (b) attention transfer (LoLCATs, Zhang et al., ICLR 2025, section 3.1 "attention transfer"): each converted
   layer's attention weights (q_proj, the shared k_proj, v_proj where it exists, o_proj, biases) trained with Adam
   to minimise the normalised MSE ||y' - y||^2 / ||y||^2 between its output and the source layer's, on the
-  source's hidden states. Training the shared projection is the only way to carry value information outside the
+  source's hidden states; the trained layer is kept only if it is better on the validation tokens. Training the shared projection is the only way to carry value information outside the
   key's subspace. The batch of step s of layer l is a pure function of (seed, l, s) and the learning rate of s,
   so a run resumed from a saved step reproduces the uninterrupted one exactly.
 - (c) end-to-end distillation against the source's logits: `qkvshare train --teacher` (the same loop, resume,
