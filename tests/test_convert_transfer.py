@@ -136,7 +136,9 @@ SETTINGS = TransferSettings(steps=40, batch_size=4, learning_rate=3e-3, warmup_s
 
 def transferred(source, variant: str, work_dir: Path | None = None, on_step=None, settings=SETTINGS, layers=None):
     """`variant` of `source` (key copy / mean-pooled, pre-RoPE tie), stages (a) and (b) run on it."""
-    method = "key" if variant in ("Q-K=V", "Q=K=V", "Q-MQA") else None  # the K=V variants' init: the key copy
+    method = (
+        "key" if variant in ("Q-K=V", "Q=K=V", "Q-GQA-2", "Q-MQA") else None
+    )  # the K=V variants' init: the key copy
     model, _ = convert(source, variant, method, kv_tie_point="pre_rope")
     changed = list(range(source.config.num_hidden_layers)) if layers is None else layers
     record = run_stages(source, model, changed, blocks(32), blocks(4, seed=2), settings, work_dir, on_step, False)
@@ -144,7 +146,8 @@ def transferred(source, variant: str, work_dir: Path | None = None, on_step=None
 
 
 @pytest.mark.parametrize(
-    ("variant", "kv_heads"), [("Q-K=V", 2), ("Q=K=V", HEADS), ("Q-MQA", 2), ("Q=K-V", HEADS), ("MQA", 2)]
+    ("variant", "kv_heads"),
+    [("Q-K=V", 2), ("Q=K=V", HEADS), ("Q-GQA-2", HEADS), ("Q-MQA", 2), ("Q=K-V", HEADS), ("MQA", 2)],
 )
 def test_each_stage_lowers_the_held_out_attention_error(variant, kv_heads):
     source = llama(kv_heads)
