@@ -187,9 +187,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--distill_tokens", type=int, default=t["distill_tokens"], help="stage (c) tokens (0: no stage c)")
     p.add_argument("--distill_batch_size", type=int, default=t["distill_batch_size"], help="stage (c) blocks per step")
     p.add_argument("--distill_learning_rate", type=float, default=t["distill_learning_rate"], help="stage (c) peak")
-    p.add_argument("--distill_temperature", type=float, default=t["distill_temperature"], help="stage (c) KL temp.")
+    p.add_argument(
+        "--distill_temperature", type=float, default=t["distill_temperature"], help="stage (c) KL temperature"
+    )
     p.add_argument("--distill_lm_weight", type=float, default=t["distill_lm_weight"], help="stage (c) LM loss weight")
-    p.add_argument("--cache_budget", type=float, default=t["cache_budget"], help="fraction of the source's KV bytes")
+    p.add_argument(
+        "--cache_budget",
+        type=float,
+        default=t["cache_budget"],
+        help="transfer: keep at most this fraction of the source's KV bytes (e.g. 0.75)",
+    )
     p.add_argument("--seed", type=int, default=0, help="order of the calibration text, stage (b)'s batches")
     add_dtype_argument(p, "float32", "dtype of the saved weights (conversion runs in float32)")
     p.add_argument("--override", nargs="*", default=None, help="config fields: " + ", ".join(CONVERT_OVERRIDES))
