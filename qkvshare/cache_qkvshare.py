@@ -14,6 +14,7 @@ Design notes
       quantized, backend quanto / hqq  Quanto/HQQQuantizedLayer      TiedQuanto/TiedHQQQuantizedLayer (one quantized
                                                                      tensor plus one residual buffer)
       quantized, backend fp8           Fp8QuantizedLayer             TiedFp8QuantizedLayer
+  Continuous batching's paged cache has its tied form in paged_cache_qkvshare.py (`QKVSharePagedCache`).
 - With RoPE and `kv_tie_point="pre_rope"`, the stored tensor is the key projection's output before rotation
   (it is the value); the model rotates it on read. That needs the positions of the cached tokens, so the
   cache also keeps them when the config needs them (pre-RoPE ties, or the "+" attention-map encoding, whose
@@ -53,9 +54,9 @@ Design notes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.cache_utils import (
@@ -72,10 +73,14 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
+
+if TYPE_CHECKING:
+    from .paged_cache_qkvshare import PagedBatch
 
 
 class OneTensorLayerMixin:
@@ -673,6 +678,30 @@ def attended_states(
     return rotated, value
 
 
+def attend_layer(
+    kind: str,
+    kv_tie_point: str | None,
+    layer: CacheLayerMixin,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotation: Rotation | None,
+    make_key: KeyMaker | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QKVShareCacheMixin.attend` for one cache layer of this kind (a key of `LAYER_CLASSES`) under this tie point:
+    what it stores and what attention reads back. Any layer with `update(key_states, value_states) -> (keys, values)` fits, so the paged
+    cache of continuous batching (paged_cache_qkvshare.py) stores through the same rules."""
+    if kind == "context_value":
+        context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
+        return rotate(make_key(context, value), rotation and rotation.keys), value
+    if kind == "tied":
+        if kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
+            stored, _ = layer.update(key, None)
+            return rotate(stored, rotation.keys), stored
+        stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
+        return stored, stored
+    return layer.update(rotate(key, rotation and rotation.new), value)
+
+
 class QKVShareCacheMixin:
     """What every QKVShare cache is, whatever its kind (dynamic, static, quantized): layers laid out by the model's
     config (`CacheLayout`), the positions of the cached tokens when the model needs them, and `attend`, the one
@@ -781,16 +810,7 @@ class QKVShareCacheMixin:
         are recomputed and rotated on read), any other layer the rotated key and the value.
         """
         kind, layer = self.layout.layer_kinds[layer_idx], self.layers[layer_idx]
-        if kind == "context_value":
-            context, value = layer.update(key, value)  # (B, 1, T, d_ctx), (B, H, T, D)
-            return rotate(make_key(context, value), rotation and rotation.keys), value
-        if kind == "tied":
-            if self.layout.kv_tie_point == "pre_rope":  # the value is the unrotated key: store it, rotate on read
-                stored, _ = layer.update(key, None)
-                return rotate(stored, rotation.keys), stored
-            stored, _ = layer.update(rotate(key, rotation and rotation.new), None)
-            return stored, stored
-        return layer.update(rotate(key, rotation and rotation.new), value)
+        return attend_layer(kind, self.layout.kv_tie_point, layer, key, value, rotation, make_key)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds: the cached states (see `layer_nbytes`) plus the positions."""
@@ -841,7 +861,18 @@ class QKVShareCacheMixin:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        """Allocate every layer ahead of the first update (transformers' export recipes need it), positions too."""
+        """Allocate every layer ahead of the first update (transformers' export recipes need it), positions too.
+
+        `num_heads` and `head_dim` give the shape of the keys and values (transformers' arguments); QV-Ka layers
+        hold G of one head and d_ctx channels beside their values, so they are allocated from the layout."""
+        layout = self.layout
+        for kind, layer in zip(layout.layer_kinds, self.layers):
+            if kind == "context_value" and not layer.is_initialized:  # skipped below: already initialized
+                context = torch.zeros((batch_size, 1, 0, layout.key_context_dim), dtype=dtype, device=device)
+                value = torch.zeros(
+                    (batch_size, layout.num_key_value_heads, 0, layout.head_dim), dtype=dtype, device=device
+                )
+                layer.lazy_initialization(context, value)
         super().early_initialization(batch_size, num_heads, head_dim, dtype, device)
         for layer in self.position_layers.values():
             if not layer.is_initialized:
@@ -1025,22 +1056,32 @@ class ForeignCache:
 
 
 def cache_for_model(
-    cache: Cache | None, config: QKVShareConfig, layout: CacheLayout
-) -> QKVShareCacheMixin | ForeignCache | None:
+    cache: Cache | PagedAttentionCache | None,
+    config: QKVShareConfig,
+    layout: CacheLayout,
+    batch: Mapping[str, Any] | None = None,
+) -> QKVShareCacheMixin | ForeignCache | PagedBatch | None:
     """The cache a model's layers write through, from the `cache` given to its forward: a QKVShare cache itself (after
-    checking it was built for this model), a transformers cache behind `ForeignCache`, or None.
+    checking it was built for this model), a transformers cache behind `ForeignCache`, this forward's `PagedBatch` of
+    a `QKVSharePagedCache` (continuous batching; `batch` is the forward's other keyword arguments, which carry the
+    batch's page indices), or None.
 
     Refuses, with a ValueError saying what to pass instead, a cache the model cannot use exactly: a QKVShare cache of
-    another layout; anything that is not a transformers `Cache`; any other cache with the linear kernel (its state
-    lives only in QKVShare caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do
-    not record positions, and assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another
-    number of layers. Cheap Python checks: no tensor is read.
+    another layout (paged or not); transformers' own `PagedAttentionCache` (K and V pages, no positions); anything
+    else that is not a transformers `Cache`; any other cache with the linear kernel (its state lives only in QKVShare
+    caches) or with a score bias that depends on key positions ("+", ALiBi: other caches do not record positions, and
+    assuming 0..past-1 is wrong for left-padded batches); a transformers cache with another number of layers. Cheap
+    Python checks: no tensor is read.
     """
     if cache is None:
         return None
     if isinstance(cache, QKVShareCacheMixin):
         cache.check_layout(layout)
         return cache
+    if isinstance(cache, PagedAttentionCache):  # continuous batching (generate_batch, its manager, a server)
+        from .paged_cache_qkvshare import paged_batch  # here: that module builds on this one
+
+        return paged_batch(cache, layout, batch or {})
     name = type(cache).__name__
     fix = (
         "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "

@@ -18,12 +18,17 @@ Design notes
 - `greedy_generate` drives any of them (the eager wrapper, an ExportedProgram, an ExecuTorch method, an ONNX
   session) the same way, so tests and `qkvshare export` compare their tokens with `model.generate`.
 - The command (`qkvshare export`, `execute`) gets its arguments from `qkvshare_cli.export` (parsed without torch)
-  and checks the model directory's config.json (`check_model_dir`) before it loads the model.
+  and checks, before it loads the model, the model directory (`check_model_dir`: config.json, what the format
+  cannot hold, e.g. a sliding window, a cache too short for the token check) and the output (`check_output`: never
+  one of the model's own files, writable). It writes every output beside its place and moves it there when
+  complete (`write_beside`). `--format llama` and `gguf` (variants that are exactly Llama) are export_llama.py's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -33,10 +38,18 @@ import torch
 from torch import nn
 
 from qkvshare_cli import main as cli_main
-from qkvshare_cli.export import DEFAULT_MAX_CACHE_LEN, FORMATS
+from qkvshare_cli.export import (
+    CHECK_PROMPT_TOKENS,
+    DEFAULT_MAX_CACHE_LEN,
+    PROGRAM_FORMATS,
+    check_max_cache_len,
+    check_output,
+)
 
 from .cache_qkvshare import QKVShareCache, QKVShareStaticCache
+from .configuration_qkvshare import QKVShareConfig
 from .evaluation.common import read_config_json
+from .export_llama import check_llama_export, save_llama, to_llama, write_gguf
 from .model_dir import check_weights_fit_config
 from .modeling_qkvshare import QKVShareForCausalLM
 
@@ -54,7 +67,8 @@ class StaticCacheDecoder(nn.Module):
     Buffers (not persistent: never saved with the weights): `cache_{i}_keys` (B, H_kv, max_cache_len, D) for every
     layer i, `cache_{i}_values` of the same shape for untied layers only, `cache_{i}_length` (0-d int64), and
     `cache_positions_full_attention` (B, 1, max_cache_len, 1) int64 with its length when the config needs the key
-    positions (pre-RoPE ties, "+", ALiBi).
+    positions (pre-RoPE ties, "+", ALiBi, QV-Ka with RoPE). QV-Ka layers hold their context G in `cache_{i}_keys`
+    (B, 1, max_cache_len, d_ctx) and their values in `cache_{i}_values`.
     """
 
     def __init__(self, model: nn.Module, max_cache_len: int, batch_size: int = 1):
@@ -263,30 +277,63 @@ def greedy_generate(step: Step, prompt: torch.Tensor, max_new_tokens: int) -> to
 
 
 # ----------------------------------------------------------------------------- qkvshare export
-def check_model_dir(args: argparse.Namespace) -> None:
-    """Check `args` against the model directory's config.json, and fill the defaults that depend on it
-    (`--max_cache_len`, `--output`); a `ValueError` naming the bad input."""
-    config = read_config_json(args.model_dir)  # a ValueError naming the directory when it is not a model
-    if config.get("model_type") != "qkvshare":
+def check_model_dir(args: argparse.Namespace) -> str | None:
+    """Check `args` against the model directory (config.json, the tokenizer; no weight is read) and fill the
+    defaults that depend on it (`--max_cache_len`, `--output`); a `ValueError` naming the bad input. Returns
+    llama.cpp's pre-tokenizer name of the model's tokenizer for `--format gguf`, else None."""
+    model_type = read_config_json(args.model_dir).get("model_type")  # a ValueError when it is not a model
+    if model_type != "qkvshare":
         raise ValueError(
-            f"{args.model_dir} holds a {config.get('model_type')!r} model, not a QKVShare one (model_type "
-            "'qkvshare'); pass a directory written by QKVShareForCausalLM.save_pretrained or `qkvshare train`."
+            f"{args.model_dir} holds a {model_type!r} model, not a QKVShare one (model_type 'qkvshare'); pass a "
+            "directory written by QKVShareForCausalLM.save_pretrained or `qkvshare train`."
         )
-    limit = int(config.get("max_position_embeddings") or DEFAULT_MAX_CACHE_LEN)
+    config = QKVShareConfig.from_pretrained(args.model_dir)
+    pre_tokenizer = None
+    if args.format in PROGRAM_FORMATS:
+        check_program_export(config, args)
+    else:
+        pre_tokenizer = check_llama_export(config, args.model_dir, args.format)
+    args.output = str(check_output(Path(args.model_dir), args.format, args.output))
+    return pre_tokenizer
+
+
+def check_program_export(config: QKVShareConfig, args: argparse.Namespace) -> None:
+    """What an ExecuTorch or ONNX program cannot hold, and the cache length (filled in when left out)."""
+    limit = config.max_position_embeddings
     if args.max_cache_len is None:
         args.max_cache_len = min(limit, DEFAULT_MAX_CACHE_LEN)
-    if config.get("position_embedding_type") == "learned" and args.max_cache_len > limit:
+        check_max_cache_len(args.max_cache_len, args.check_tokens)
+    if config.position_embedding_type == "learned" and args.max_cache_len > limit:
         raise ValueError(
             f"--max_cache_len {args.max_cache_len} is beyond max_position_embeddings={limit} of this model's learned "
             f"position table; use --max_cache_len {limit} or less."
         )
-    if config.get("attention_kernel") == "linear":
+    if config.attention_kernel == "linear":
         raise ValueError(
             f"{args.model_dir} uses attention_kernel='linear' (a constant-size state, no static cache); qkvshare "
             "export supports softmax-attention models."
         )
-    if args.output is None:  # next to the weights: the directory exists
-        args.output = str(Path(args.model_dir) / f"model{FORMATS[args.format]}")
+    sliding = [i for i in range(config.num_hidden_layers) if config.layer_attention_type(i) == "sliding_attention"]
+    if sliding:
+        raise ValueError(
+            f"{args.model_dir} has sliding-window attention (sliding_window={config.sliding_window}, layers "
+            f"{', '.join(map(str, sliding))}): the static sliding-window cache cannot be traced into a program yet; "
+            "qkvshare export supports models whose layers attend to every token."
+        )
+
+
+def write_beside(output: Path, write: Callable[[Path], None]) -> None:
+    """`write(path)` to a temporary path beside `output`, then move it to `output`: an interrupted or failed export
+    leaves nothing half-written there (and the previous file, if any, intact)."""
+    temporary = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, output)
+    except BaseException:
+        if temporary.is_dir():
+            shutil.rmtree(temporary)
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,32 +342,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(args: argparse.Namespace) -> int:
-    """`qkvshare export MODEL_DIR --format executorch|onnx`: write the program, print its size and cache bytes, and
+    """`qkvshare export MODEL_DIR --format executorch|onnx|llama|gguf`: write the export, print what it holds, and
     compare its greedy tokens with the model's. Returns 0, 1 when the tokens differ, 2 for bad input."""
     try:
-        check_model_dir(args)
+        pre_tokenizer = check_model_dir(args)
         check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
     except ValueError as err:
         print(f"qkvshare export: error: {err}", file=sys.stderr)
         return 2
+    if args.format in PROGRAM_FORMATS:
+        return export_program(args)
+    return export_llama(args, pre_tokenizer)
+
+
+def export_program(args: argparse.Namespace) -> int:
+    """`qkvshare export` of an ExecuTorch or ONNX program (`execute`, after the checks)."""
     model = QKVShareForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa").eval()
     config = model.config
     decoder = StaticCacheDecoder(model, max_cache_len=args.max_cache_len, batch_size=args.batch_size)
+    output = Path(args.output)
     start = time.perf_counter()
     if args.format == "executorch":
-        Path(args.output).write_bytes(to_executorch(export_decoder(decoder), backend=args.backend))
-        step = executorch_step(args.output)
+        program = to_executorch(export_decoder(decoder), backend=args.backend)
+        write_beside(output, lambda path: path.write_bytes(program))
+        step = executorch_step(output)
     else:
         functional = FunctionalDecoderStep(decoder)
-        to_onnx(functional, args.output)
-        step = OnnxDecoder(args.output, functional.state_names, functional.initial_state)
+        write_beside(output, lambda path: to_onnx(functional, path))
+        step = OnnxDecoder(output, functional.state_names, functional.initial_state)
     seconds = time.perf_counter() - start
     element = torch.finfo(model.dtype).bits // 8
     theory = config.kv_cache_bytes_per_token(element) + (8 if config.needs_key_positions else 0)
     backend = f", {args.backend}" if args.format == "executorch" else ""
-    print(
-        f"wrote {args.output} ({args.format}{backend}): {Path(args.output).stat().st_size:,} bytes in {seconds:.1f} s"
-    )
+    print(f"wrote {output} ({args.format}{backend}): {output.stat().st_size:,} bytes in {seconds:.1f} s")
     print(
         f"cache: {decoder.cache_bytes_per_token():,.0f} bytes per token (theory {theory:,}: "
         f"{config.variant}, {model.dtype}), {decoder.cache_bytes():,} bytes of cache buffers in all "
@@ -328,13 +382,72 @@ def execute(args: argparse.Namespace) -> int:
     )
     if not args.check_tokens:
         return 0
-    new_tokens = min(args.check_tokens, args.max_cache_len - 4)
-    prompt = torch.randint(0, config.vocab_size, (args.batch_size, 4), generator=torch.Generator().manual_seed(0))
-    expected = reference_tokens(model, prompt, new_tokens)
-    got = greedy_generate(step, prompt, new_tokens)
+    new_tokens = min(args.check_tokens, args.max_cache_len - CHECK_PROMPT_TOKENS)
+    prompt = check_prompt(config, args.batch_size)
+    return compare_tokens("the written program", greedy_generate(step, prompt, new_tokens), model, prompt)
+
+
+def export_llama(args: argparse.Namespace, pre_tokenizer: str | None) -> int:
+    """`qkvshare export` of a Llama checkpoint or a GGUF file (`execute`, after the checks; see export_llama.py)."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+
+    from .analysis.conventions import torch_dtype
+    from .convert import load_source_tokenizer
+
+    model_dir, output = Path(args.model_dir), Path(args.output)
+    model = QKVShareForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    dtype = model.dtype if args.dtype == "auto" else torch_dtype(args.dtype)
+    llama, tokenizer = to_llama(model, dtype), load_source_tokenizer(str(model_dir))
+    if args.format == "llama":
+        write_beside(output, lambda path: save_llama(llama, model_dir, path, tokenizer))
+        what = f"a LlamaForCausalLM checkpoint{' with its tokenizer' if tokenizer is not None else ''}"
+    else:
+        write_beside(output, lambda path: write_gguf(llama, tokenizer, model_dir, pre_tokenizer, path))
+        what = f"GGUF, architecture llama, tokenizer pre-type {pre_tokenizer!r}"
+    size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else output.stat().st_size
+    config, element = model.config, torch.finfo(dtype).bits // 8
+    key_value_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    print(f"wrote {output} ({what}, {str(dtype).removeprefix('torch.')}): {size:,} bytes")
+    ours = config.kv_cache_bytes_per_token(element)
+    against = f"against {ours:,} in this {config.variant} model's cache (one tensor per tied layer)"
+    print(
+        f"cache in the engines that run it: {key_value_bytes:,} bytes per token (K and V of every layer), "
+        + (against if ours < key_value_bytes else "as in this model's own cache (no tied layer)")
+    )
+    if not args.check_tokens:
+        return 0
+    # The written weights are the model's rounded to `dtype`: compare in float32, the model rounded the same way.
+    model.to(dtype).float()
+    if args.format == "llama":
+        written, reader = LlamaForCausalLM.from_pretrained(output, dtype=torch.float32), "LlamaForCausalLM"
+    else:
+        written = AutoModelForCausalLM.from_pretrained(output.parent, gguf_file=output.name, dtype=torch.float32)
+        reader = "transformers' GGUF reader"
+    written.eval()
+    prompt = check_prompt(config, 1)
+    cache = DynamicCache(config=written.config)
+    with torch.no_grad():
+        tokens = greedy_generate(
+            lambda ids, _: written(ids, cache=cache, use_cache=True).logits, prompt, args.check_tokens
+        )
+        gap = (written(prompt).logits - model(prompt).logits).abs().max().item()
+    return compare_tokens(
+        f"the written model (read by {reader}; prompt logits within {gap:.1e})", tokens, model, prompt
+    )
+
+
+def check_prompt(config: QKVShareConfig, batch_size: int) -> torch.Tensor:
+    """The token check's prompt: `CHECK_PROMPT_TOKENS` random tokens per sequence, the same on every run."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, config.vocab_size, (batch_size, CHECK_PROMPT_TOKENS), generator=generator)
+
+
+def compare_tokens(what: str, got: torch.Tensor, model: nn.Module, prompt: torch.Tensor) -> int:
+    """Print whether `got` (B, N), greedy tokens of an export after `prompt`, are the model's; 0 if so, else 1."""
+    expected = reference_tokens(model, prompt, got.shape[1])
     same = torch.equal(got, expected)
     print(
-        f"greedy tokens of the written program vs the model ({new_tokens} after a 4-token prompt): "
-        + ("identical" if same else f"DIFFERENT\n  program: {got.tolist()}\n  model:   {expected.tolist()}")
+        f"greedy tokens of {what} vs the model ({got.shape[1]} after a {prompt.shape[1]}-token prompt): "
+        + ("identical" if same else f"DIFFERENT\n  export: {got.tolist()}\n  model:  {expected.tolist()}")
     )
     return 0 if same else 1

@@ -81,6 +81,7 @@ from .cache_qkvshare import (
 )
 from .configuration_qkvshare import QKVShareConfig
 from .linear_attention_qkvshare import QKVShareLinearAttention
+from .paged_cache_qkvshare import ContinuousBatchingMixin
 from .validation_qkvshare import check_inputs, check_learned_positions
 
 # The mask builder of each attention type (config `layer_types`).
@@ -544,7 +545,7 @@ class QKVShareModel(QKVSharePreTrainedModel):
         """
         types = self.cache_layout.present_attention_types
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache, self.embed_tokens is not None, types)
-        store = cache_for_model(cache, self.config, self.cache_layout)  # what the layers write through
+        store = cache_for_model(cache, self.config, self.cache_layout, kwargs)  # what the layers write through
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -587,12 +588,14 @@ class QKVShareModel(QKVSharePreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
-class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
+class QKVShareForCausalLM(QKVSharePreTrainedModel, ContinuousBatchingMixin, GenerationMixin):
     """QKVShare language model. `generate()` uses a QKVShare cache for each usual `cache_implementation` (see
     `tied_cache_for_generation`): `QKVShareCache` by default, `QKVShareStaticCache` for "static", ...
 
     Other transformers caches (DynamicCache, StaticCache, ...) are exact but store K and V separately; the "+"
-    variants and `attention_kernel="linear"` refuse them with a ValueError (see `QKVShareModel._check_cache`).
+    variants and `attention_kernel="linear"` refuse them with a ValueError (see `cache_qkvshare.cache_for_model`).
+    transformers' continuous batching (`generate_batch`, `init_continuous_batching`,
+    `generate(cache_implementation="paged")`) runs on a `QKVSharePagedCache` (`ContinuousBatchingMixin`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -612,8 +615,8 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         # transformers would build its own caches (K and V stored separately); ours store one tensor per tied layer.
         # The static kinds take transformers' own route (its length rules: a later, shorter generation reuses the
         # length, so a compiled forward does not recompile) to `_prepare_static_cache` below. An explicit cache,
-        # use_cache=False or a kind we have no tied form of ("paged") keep transformers' choice, which the model's
-        # forward then checks.
+        # use_cache=False or a kind we have no tied form of keep transformers' choice, which the model's forward then
+        # checks. ("paged" never comes here: generate() hands it to generate_batch, see `ContinuousBatchingMixin`.)
         static = generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
         if not static and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             cache = self.tied_cache_for_generation(generation_config, max_cache_length)
@@ -664,7 +667,7 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, GenerationMixin):
         `QKVShareCache`; "offloaded" -> the same with offloading; "static", "offloaded_static" (and transformers'
         deprecated static names) -> `QKVShareStaticCache`, sized as transformers sizes its `StaticCache` (this call's
         max length, or `max_cache_len` if larger); "quantized" -> `QKVShareQuantizedCache` with
-        `generation_config.cache_config` (backend "quanto" unless given). None for other kinds ("paged")."""
+        `generation_config.cache_config` (backend "quanto" unless given). None for other kinds."""
         implementation = generation_config.cache_implementation
         if implementation in (None, "dynamic", "offloaded"):
             return QKVShareCache(config=self.config, offloading=implementation == "offloaded")

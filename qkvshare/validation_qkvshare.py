@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.utils import is_torchdynamo_compiling
 
 from .cache_qkvshare import QKVShareCacheMixin
 from .configuration_qkvshare import QKVShareConfig
 
 # Backends that accept an arbitrary additive float mask (needed by the "+" encoding and ALiBi).
-BIAS_CAPABLE_BACKENDS = ("eager", "sdpa")
+BIAS_CAPABLE_BACKENDS = ("eager", "sdpa", "paged|eager")  # "paged|eager": eager under continuous batching
 
 
 def check_inputs(
@@ -66,7 +67,8 @@ def check_inputs(
                 f"for {sorted(attention_types)}; pass a 2D padding mask, or the dict that "
                 "model.model.build_masks(...) returns."
             )
-    elif attention_mask is not None:
+    elif attention_mask is not None and not isinstance(cache, PagedAttentionCache):
+        # (continuous batching's masks are its own, sized by the batch's page indices; the paged cache checks those)
         check_attention_mask(attention_mask, name, shape, cache)
 
 

@@ -106,8 +106,7 @@ COMMANDS: dict[str, Command] = {
     "export": Command(
         "qkvshare_cli.export:parse_args",
         "qkvshare.export:execute",
-        "write an ExecuTorch or ONNX program with the static tied cache inside",
-        extras=("export",),
+        "write an ExecuTorch/ONNX program with the static tied cache inside, or a Llama/GGUF checkpoint",
     ),
 }
 

@@ -38,7 +38,14 @@ EXTRAS: dict[str, dict[str, str]] = {
     "vision": {"sklearn": "scikit-learn", "PIL": "pillow", "datasets": "datasets"},
     # The quanto backend of `QKVShareQuantizedCache`; transformers imports `optimum.quanto` when the cache is built.
     "quantized": {"optimum": "optimum-quanto"},
-    "export": {"executorch": "executorch", "onnx": "onnx", "onnxscript": "onnxscript", "onnxruntime": "onnxruntime"},
+    # qkvshare export: each --format checks the modules it needs (qkvshare_cli.export.FORMAT_MODULES)
+    "export": {
+        "executorch": "executorch",
+        "onnx": "onnx",
+        "onnxscript": "onnxscript",
+        "onnxruntime": "onnxruntime",
+        "gguf": "gguf",
+    },
 }
 
 

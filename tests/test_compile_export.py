@@ -39,6 +39,9 @@ MODELS = {
     "learned": tiny(
         layer_projection_sharing=["none", "kv"], num_key_value_heads=1, position_embedding_type="learned", **WIDE
     ),
+    # QV-Ka with RoPE: its cache holds G (one head of d_ctx channels) and V, keys recomputed and rotated on read.
+    # One layer: each exported model costs about 25 s of lowering here.
+    "qvka": tiny("QV-Ka", num_hidden_layers=1, **WIDE),
 }
 
 
@@ -162,6 +165,19 @@ def test_caches_flatten_and_rebuild_exactly(static, prompt):
     assert torch.utils._pytree.treespec_loads(dumped) == spec
 
 
+def test_early_initialization_gives_qv_ka_layers_their_context_and_value_shapes():
+    # torch.export needs the static buffers allocated up front; transformers' early initialization gives every
+    # layer the (heads, head_dim) of its arguments, which is not the shape of QV-Ka's G (one head, d_ctx channels).
+    config = tiny("QV-Ka-2", **WIDE)  # d_ctx = 2 x head_dim: G differs from V in heads and channels
+    cache = QKVShareStaticCache(config, max_cache_len=SLOTS)
+    cache.early_initialization(2, config.num_key_value_heads, config.head_dim, torch.float32, "cpu")
+    d_ctx, heads, dim = config.key_context_dim, config.num_key_value_heads, config.head_dim
+    assert [(layer.keys.shape, layer.values.shape) for layer in cache.layers] == [
+        ((2, 1, SLOTS, d_ctx), (2, heads, SLOTS, dim))
+    ] * config.num_hidden_layers
+    assert cache.positions.shape == (2, SLOTS)  # with RoPE its keys are rotated on read at the cached positions
+
+
 def test_torch_export_of_prefill_and_decode_takes_the_static_tied_cache(prompt):
     model = build("plus")
 
@@ -191,11 +207,12 @@ def test_torch_export_of_prefill_and_decode_takes_the_static_tied_cache(prompt):
 
 
 # ----------------------------------------------------------------------------- ExecuTorch and ONNX programs
-@pytest.fixture(scope="module", params=["plus"])
+@pytest.fixture(scope="module", params=["plus", "qvka"])
 def programs(request, tmp_path_factory):
-    """For one model ("plus": an untied Q=K-V layer and a tied Q=K=V layer, pre-RoPE tie, "+"; lowering costs about
-    35 s a model here, so one model carries both the tied layer and "+"): its eager tokens, and the same decoding through an ExportedProgram, an ExecuTorch program
-    (portable kernels: the quickest to lower; XNNPACK is measured by `qkvshare export`) and an ONNX model."""
+    """For two models ("plus": an untied Q=K-V layer and a tied Q=K=V layer, pre-RoPE tie, "+"; "qvka": QV-Ka's
+    context-and-value cache; lowering costs about 35 s a two-layer model here, so "plus" carries both the tied layer
+    and "+"): its eager tokens, and the same decoding through an ExportedProgram, an ExecuTorch program (portable
+    kernels: the quickest to lower; XNNPACK is measured by `qkvshare export`) and an ONNX model."""
     model = build(request.param)
     decoder = StaticCacheDecoder(model, max_cache_len=SLOTS)
     program = export_decoder(decoder)
@@ -222,8 +239,9 @@ def test_export_wrapper_holds_one_buffer_per_tied_layer(programs):
     decoder = programs["decoder"]
     config = decoder.model.config
     buffers = {name for name, _ in decoder.named_buffers() if name.startswith("cache_")}
-    tied = [config.is_kv_tied(i) for i in range(config.num_hidden_layers)]
-    assert {f"cache_{i}_values" for i in range(2)} & buffers == {f"cache_{i}_values" for i in range(2) if not tied[i]}
+    layers = range(config.num_hidden_layers)
+    values = {f"cache_{i}_values" for i in layers}
+    assert values & buffers == {f"cache_{i}_values" for i in layers if not config.is_kv_tied(i)}
     positions = 8 if config.needs_key_positions else 0
     assert decoder.cache_bytes_per_token() == config.kv_cache_bytes_per_token(4) + positions
 
@@ -267,25 +285,53 @@ def test_custom_4d_mask_of_shared_prefix_equals_separate_sequences():
 
 # ----------------------------------------------------------------------------- qkvshare export
 def test_export_command_refuses_bad_input_before_any_work(tmp_path, monkeypatch, capsys):
-    learned = tmp_path / "learned"
+    learned, window = tmp_path / "learned", tmp_path / "window"
     build("learned").save_pretrained(learned)
+    weights = (learned / "model.safetensors").read_bytes()
+    QKVShareForCausalLM._from_config(tiny(sliding_window=4, **WIDE)).save_pretrained(window)
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama/config.json").write_text('{"model_type": "llama"}')
+    read_only, locked = tmp_path / "read-only", tmp_path / "locked.onnx"
+    read_only.mkdir()
+    locked.write_bytes(b"kept")
     cases = [
-        ([str(tmp_path / "none"), "--format", "onnx"], "has no config.json: not a Hugging Face model directory"),
-        ([str(learned), "--format", "tflite"], "argument --format: invalid choice: 'tflite'"),
-        ([str(tmp_path / "llama"), "--format", "onnx"], "holds a 'llama' model, not a QKVShare one"),
-        ([str(learned), "--format", "onnx", "--max_cache_len", "129"], "beyond max_position_embeddings=128"),
-        ([str(learned), "--format", "onnx", "--output", str(tmp_path / "no/x.onnx")], "directory does not exist"),
+        ([tmp_path / "none", "--format", "onnx"], "has no config.json: not a Hugging Face model directory"),
+        ([learned, "--format", "tflite"], "argument --format: invalid choice: 'tflite'"),
+        ([tmp_path / "llama", "--format", "onnx"], "holds a 'llama' model, not a QKVShare one"),
+        ([learned, "--format", "onnx", "--max_cache_len", "129"], "beyond max_position_embeddings=128"),
+        ([learned, "--format", "onnx", "--output", tmp_path / "no/x.onnx"], "directory does not exist"),
+        # the export's faults: each ran the export (or part of it) before
+        ([learned, "--format", "onnx", "--output", learned / "model.safetensors"], "is one of the files of the model"),
+        ([learned, "--format", "executorch", "--output", learned / "model.onnx"], "is among the files of the model"),
+        ([learned, "--format", "onnx", "--output", read_only / "x.onnx"], "is read-only; choose a writable place"),
+        ([learned, "--format", "onnx", "--output", locked], "is a read-only file; make it writable"),
+        (
+            [learned, "--format", "onnx", "--max_cache_len", "2"],
+            "--max_cache_len 2 is too short: the token check needs 5",
+        ),
+        ([learned, "--format", "onnx", "--max_cache_len", "1", "--check_tokens", "0"], "traces a 2-token prefill"),
+        ([window, "--format", "executorch"], "has sliding-window attention (sliding_window=4, layers 0, 1)"),
     ]
-    for argv, message in cases:
-        assert qkvshare_cli.main(["export", *argv]) == 2
-        err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err, (argv, err)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(QKVShareForCausalLM, "from_pretrained", refuse)
+    read_only.chmod(0o555)
+    locked.chmod(0o444)
+    try:
+        for argv, message in cases:
+            assert qkvshare_cli.main(["export", *map(str, argv)]) == 2, argv
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err, (argv, err)
+    finally:
+        read_only.chmod(0o755)
+        locked.chmod(0o644)
     monkeypatch.setitem(__import__("sys").modules, "executorch", None)  # the extra not installed
     assert qkvshare_cli.main(["export", str(learned), "--format", "executorch"]) == 2
     assert 'pip install "qkvshare[export]"' in capsys.readouterr().err
-    assert not list(learned.glob("model.pte")) + list(learned.glob("model.onnx"))  # nothing written
+    assert not list(learned.glob("model.pte")) + list(learned.glob("model.onnx")) + list(read_only.iterdir())
+    assert (learned / "model.safetensors").read_bytes() == weights and locked.read_bytes() == b"kept"
 
 
 def test_export_command_writes_an_onnx_model_with_the_cache_bytes(tmp_path, capsys):

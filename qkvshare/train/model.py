@@ -102,7 +102,11 @@ def peak_flops_per_device(device: torch.device, override_tflops: float | None) -
 
 
 def llama_twin_config(
-    config: QKVShareConfig, *, num_key_value_heads: int | None = None, attn_implementation: str | None = None
+    config: QKVShareConfig,
+    *,
+    num_key_value_heads: int | None = None,
+    attn_implementation: str | None = None,
+    **fields: Any,
 ) -> LlamaConfig:
     """The `LlamaConfig` of the same shape as `config`: the reference `LlamaForCausalLM` that benchmarks and
     throughput comparisons set against a QKVShare model (the one home of this mapping).
@@ -110,7 +114,7 @@ def llama_twin_config(
     Same vocabulary, widths, layers, heads (`num_key_value_heads` overrides the key/value heads, e.g. a GQA
     reference for a shared variant), positions, norm epsilon, RoPE, biases, activation, tied embeddings and special
     token ids. Only the shape is copied: for a non-Llama-style config (LayerNorm, plain MLP, learned positions)
-    the twin has the same sizes but computes something else.
+    the twin has the same sizes but computes something else. `fields` are further `LlamaConfig` fields.
     """
     return LlamaConfig(
         vocab_size=config.vocab_size,
@@ -132,4 +136,5 @@ def llama_twin_config(
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         attn_implementation=attn_implementation,
+        **fields,
     )
