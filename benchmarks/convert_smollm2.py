@@ -138,9 +138,9 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4) -> float:
 
 
 def uptraining_file(out: Path, tokenizer, tokens: int) -> Path:
-    """The uptraining text: training-split documents of the embedded corpus (shuffled, seed 0), as many as hold
-    `tokens` tokens plus 10%, as jsonl. The trainer then tokenizes only what the budget reads instead of the whole
-    corpus on every run; none of it is held-out text."""
+    """The uptraining text: train-split documents of the embedded calibration text (`qkvshare.convert.data`, prose
+    and code; seed 1), as many as hold `tokens` tokens plus 10%, as jsonl. The trainer then tokenizes only what the
+    budget reads instead of the whole corpus on every run; none of it is held-out text."""
     from qkvshare.convert import calibration_texts
 
     documents, _ = calibration_texts(None, seed=1)

@@ -57,6 +57,8 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 # ... and those that need flash-attn (and a CUDA GPU): the trainer checks that it is there
 FLASH_ATTENTION_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 VARIANT_PLACEHOLDER = "{variant}"  # in --output_dir: replaced by --variant
+# The flags of distillation and their defaults: set to anything else, they need --teacher.
+DISTILL_DEFAULTS = {"distill_temperature": 1.0, "distill_lm_weight": 0.0}
 
 
 def flag(default: Any, help: str) -> Any:
@@ -89,6 +91,12 @@ class ModelArguments:
     )
     attn_implementation: str | None = flag(
         None, "sdpa (default), eager, flex_attention, or flash_attention_2/3 (with flash-attn installed)"
+    )
+    teacher: str | None = flag(
+        None,
+        "distil from this model: a causal LM directory (Llama, QKVShare, ...) or a .gguf file with the student's "
+        "vocabulary; the loss becomes the KL divergence to its next-token distribution (--distill_temperature), "
+        "mixed with the LM loss by --distill_lm_weight",
     )
 
 
@@ -137,6 +145,10 @@ class TrainArguments:
     adam_epsilon: float = flag(1e-8, "AdamW epsilon")
     max_grad_norm: float = flag(1.0, "gradient clipping (0 turns it off)")
     seed: int = flag(42, "seed of init, data order and sampling")
+    distill_temperature: float = flag(1.0, "with --teacher: softmax temperature of both distributions in the KL")
+    distill_lm_weight: float = flag(
+        0.0, "with --teacher: weight of the LM loss, (1 - w) x KL + w x cross-entropy (0: pure distillation)"
+    )
     bf16: bool = flag(False, "bf16 mixed precision")
     fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")
     use_cpu: bool = flag(False, "train on CPU even if a GPU is present (gloo for 2+ ranks)")
@@ -347,6 +359,32 @@ def check_args(args: Arguments) -> None:
     config_overrides(args.model.config_overrides)
     if args.model.init_from is not None:
         check_init_from(args.model)
+    check_teacher(args)
+
+
+def check_teacher(args: Arguments) -> None:
+    """--teacher names a model directory or .gguf file; the distillation flags are set only with it."""
+    teacher, t = args.model.teacher, args.train
+    if teacher is None:
+        given = [f"--{n} {getattr(t, n)}" for n, d in DISTILL_DEFAULTS.items() if getattr(t, n) != d]
+        if given:
+            raise TrainingSetupError(
+                f"{', '.join(given)} set(s) how to distil, but no --teacher is given; pass --teacher DIR (the model "
+                "to distil from) or drop the flag."
+            )
+        return
+    path = Path(teacher).expanduser()
+    if not (path / "config.json").is_file() and not (path.is_file() and path.suffix.lower() == ".gguf"):
+        what = "has no config.json" if path.is_dir() else "is not a .gguf file" if path.is_file() else "does not exist"
+        raise TrainingSetupError(
+            f"--teacher {teacher!r} {what}; pass a model directory (config.json and weights, e.g. from "
+            "save_pretrained) or a .gguf file."
+        )
+    if t.distill_lm_weight >= 1:
+        raise TrainingSetupError(
+            f"--distill_lm_weight {t.distill_lm_weight} leaves no weight on the teacher (the loss is (1 - w) x KL + "
+            "w x cross-entropy); use a weight below 1, or train without --teacher."
+        )
 
 
 def check_init_from(m: ModelArguments) -> None:
@@ -385,6 +423,8 @@ def _check_numbers(args: Arguments) -> None:
         ("adam_epsilon", t.adam_epsilon, t.adam_epsilon > 0, "> 0"),
         ("max_grad_norm", t.max_grad_norm, t.max_grad_norm >= 0, ">= 0 (0 turns clipping off)"),
         ("peak_tflops", t.peak_tflops, t.peak_tflops is None or t.peak_tflops > 0, "> 0"),
+        ("distill_temperature", t.distill_temperature, t.distill_temperature > 0, "> 0 (1 or 2 is usual)"),
+        ("distill_lm_weight", t.distill_lm_weight, 0 <= t.distill_lm_weight <= 1, "between 0 and 1"),
     ]
     for name, value, allowed, expected in ranges:
         if not allowed:

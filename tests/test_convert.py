@@ -297,7 +297,7 @@ def test_bad_conversions_are_refused_before_any_work(case):
 
 def test_missing_or_too_small_calibration_set_is_refused():
     source = llama(kv_heads=2)
-    with pytest.raises(ValueError, match="method='calibrated' needs calibration text"):
+    with pytest.raises(ValueError, match="methods 'calibrated' and 'transfer' need calibration text"):
         convert(source, "Q-K=V")
     with pytest.raises(ValueError, match=r"has 40 tokens .* at least 68 tokens"):
         convert(source, "Q-K=V", calibration_ids=ids(2, 20))
@@ -434,3 +434,52 @@ def test_sequential_calibration_lowers_the_final_hidden_state_error():
     assert final["sequential"] < 0.92 * final["independent"], final  # 0.213 vs 0.243 (seeded)
     with pytest.raises(ValueError, match=r"calibration='greedy' is not a calibration; use one of sequential"):
         convert(source, "Q-K=V", calibration_ids=calibration, calibration="greedy")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing the model directory is all or nothing (issue 19)
+# --------------------------------------------------------------------------------------------------------------
+def _write_weights_then(error: BaseException):
+    """A save_converted that writes the weights and config, then fails as a full disk or a kill would."""
+    from qkvshare.convert.io import save_converted as real
+
+    def save(model, record, folder, tokenizer=None, dtype="float32"):
+        model.save_pretrained(folder)
+        raise error
+
+    return save, real
+
+
+def test_a_failed_write_keeps_the_previous_conversion(source_dir, tmp_path, monkeypatch, capsys):
+    import qkvshare.convert.io as command
+
+    out = tmp_path / "converted"
+    argv = ["convert", str(source_dir), "--variant", "Q-MQA", "--method", "key", "--output_dir", str(out)]
+    assert qkvshare_cli.main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    failing, _ = _write_weights_then(OSError(28, "No space left on device"))
+    monkeypatch.setattr(command, "save_converted", failing)
+    assert (
+        qkvshare_cli.main([*argv[:-4], "--variant", "Q-K=V", "--method", "key", *argv[-2:], "--overwrite_output_dir"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and f"the previous model directory {str(out)!r} is unchanged" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["converted"]  # no partial folder left beside it
+
+
+def test_a_conversion_killed_while_saving_leaves_no_model_directory(source_dir, tmp_path, monkeypatch):
+    import qkvshare.convert.io as command
+
+    out = tmp_path / "converted"
+    argv = ["convert", str(source_dir), "--variant", "Q-MQA", "--method", "key", "--output_dir", str(out)]
+    killed, real = _write_weights_then(KeyboardInterrupt())
+    monkeypatch.setattr(command, "save_converted", killed)
+    with pytest.raises(KeyboardInterrupt):
+        qkvshare_cli.main(argv)
+    assert not out.exists()  # nothing there would load as a model without its tokenizer and conversion.json
+    monkeypatch.setattr(command, "save_converted", real)
+    assert qkvshare_cli.main(argv) == 0  # the same command then converts (the partial folder is cleared)
+    assert (out / "conversion.json").is_file() and (out / "tokenizer.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["converted"]

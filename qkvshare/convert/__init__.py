@@ -2,16 +2,21 @@
 
 The method (head pooling, the K=V methods and their calibrated fit, Q=K, the recorded errors) is written with the
 command's arguments in `qkvshare_cli.convert`, and `qkvshare convert --help` prints it. From Python:
-`convert(model, "Q-MQA", calibration_ids=ids)` on a `LlamaForCausalLM` (Mistral, Qwen2) object.
+`convert(model, "Q-MQA", calibration_ids=ids)` on a `LlamaForCausalLM` (Mistral, Qwen2) object, or
+`convert(model, "Q-K=V", "transfer", calibration_ids=ids, validation_ids=held_out, cache_budget=0.75)`.
 
 Layout: `weights` (pooled heads, the converted attention weights, the head-map fit and its fold into o_proj),
 `calibration` (calibration text, the source's hidden states, `calibrate`), `conversion` (the plan and every check
-before any weight is read, `convert` and its record), `io` (sources: directories, .gguf files, tokenizers; saving),
-`cli` (the command's run). Every public name is importable from `qkvshare.convert`.
+before any weight is read, `convert` and its record), `io` (sources: directories, .gguf files, tokenizers; saving
+all or nothing), `data` (the embedded mixed prose + code calibration text and its splits), `transfer` (stages (a)
+closed-form o_proj and (b) attention transfer of `--method transfer`), `budget` (`--cache_budget`'s layer choice),
+`distill` (stage (c) through `qkvshare train --teacher`), `cli` (the command's run). Every public name is
+importable from `qkvshare.convert`.
 """
 
 from __future__ import annotations
 
+from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
 from qkvshare.convert.calibration import (
     MIN_TOKENS_PER_HEAD_DIM,
     calibrate,
@@ -22,8 +27,17 @@ from qkvshare.convert.calibration import (
     source_streams,
 )
 from qkvshare.convert.cli import execute, main, run
-from qkvshare.convert.conversion import ConversionRecord, check_architecture, convert, plan_conversion
-from qkvshare.convert.io import load_source, load_source_tokenizer, read_source_config, save_converted
+from qkvshare.convert.conversion import ConversionRecord, budget_model, check_architecture, convert, plan_conversion
+from qkvshare.convert.distill import DistillSettings, run_distillation
+from qkvshare.convert.io import (
+    ConversionWriteError,
+    load_source,
+    load_source_tokenizer,
+    publish,
+    read_source_config,
+    save_converted,
+)
+from qkvshare.convert.transfer import TransferSettings, run_stages
 from qkvshare.convert.weights import (
     attention_state,
     build_converted,
@@ -46,6 +60,16 @@ from qkvshare_cli.convert import (
 
 __all__ = [
     "ConversionRecord",
+    "TransferSettings",
+    "run_stages",
+    "DistillSettings",
+    "run_distillation",
+    "BudgetChoice",
+    "check_cache_budget",
+    "choose_tied_layers",
+    "budget_model",
+    "publish",
+    "ConversionWriteError",
     "KV_METHODS",
     "CALIBRATIONS",
     "QUERY_METHODS",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.convert import data
 from qkvshare.convert.weights import attention_state, fit_head_maps, fold_into_o_proj
 from qkvshare.modeling_qkvshare import QKVShareAttention
-from qkvshare.train.data import check_data_file, stdlib_corpus
-from qkvshare_cli.convert import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, DEFAULT_RIDGE, KV_METHODS
+from qkvshare.train.data import check_data_file
+from qkvshare_cli.convert import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, DEFAULT_RIDGE
 
 # Least squares of d_h unknowns per output needs many more rows than unknowns: at least this many tokens per d_h.
 MIN_TOKENS_PER_HEAD_DIM = 4
+# the K=V methods `calibrate` measures side by side (the transfer method records its own stages)
+SIDE_BY_SIDE = ("key", "value", "calibrated")
 
 
 def min_calibration_tokens(config: Any) -> int:
@@ -26,42 +30,50 @@ def min_calibration_tokens(config: Any) -> int:
     return MIN_TOKENS_PER_HEAD_DIM * (config.head_dim + 1)
 
 
-def check_calibration_ids(ids: Any, config: Any) -> None:
-    """`ids` must be a (batch, length) LongTensor of valid token ids with enough tokens for the fit."""
+def check_calibration_ids(ids: Any, config: Any, name: str = "calibration_ids") -> None:
+    """`ids` (called `name` in messages) must be a (batch, length) LongTensor of valid token ids with enough tokens for the fit."""
     if ids is None:
         raise ValueError(
-            "method='calibrated' needs calibration text: pass calibration_ids (a (batch, length) LongTensor of token "
-            "ids from the source's tokenizer), or on the command line --calibration_file (default: the embedded "
-            "corpus), or choose --method key."
+            f"methods 'calibrated' and 'transfer' need calibration text: pass {name} (a (batch, length) LongTensor "
+            "of token ids from the source's tokenizer), or on the command line --calibration_file (default: the "
+            "embedded text), or choose --method key."
         )
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype != torch.long:
         raise ValueError(
-            f"calibration_ids must be a 2-D LongTensor (batch, length), got {type(ids).__name__} "
+            f"{name} must be a 2-D LongTensor (batch, length), got {type(ids).__name__} "
             f"{getattr(ids, 'shape', '')} {getattr(ids, 'dtype', '')}."
         )
     need = min_calibration_tokens(config)
     if ids.numel() < need or ids.shape[1] < 2:
         raise ValueError(
-            f"the calibration set has {ids.numel()} tokens (shape {tuple(ids.shape)}), too few to fit "
+            f"{name} has {ids.numel()} tokens (shape {tuple(ids.shape)}), too few to fit "
             f"{config.head_dim}x{config.head_dim} maps: give at least {need} tokens in sequences of 2 or more "
             f"(a few thousand is usual; the default is {DEFAULT_CALIBRATION_TOKENS})."
         )
     if ids.min() < 0 or ids.max() >= config.vocab_size:
         raise ValueError(
-            f"calibration_ids hold ids in [{int(ids.min())}, {int(ids.max())}], outside the source's vocabulary "
+            f"{name} hold ids in [{int(ids.min())}, {int(ids.max())}], outside the source's vocabulary "
             f"[0, {config.vocab_size}); tokenize with the source's tokenizer."
         )
 
 
-def calibration_texts(calibration_file: str | None, seed: int = 0) -> tuple[list[str], str]:
-    """Documents to calibrate on, and their description: a .txt file (one document), a .jsonl/.json file (its
-    `text` column), or by default the training side of the embedded corpus (the Python stdlib sources), shuffled
-    with `seed`."""
-    if calibration_file is None:
-        corpus = stdlib_corpus()
-        documents = list(corpus.train)
+def calibration_texts(
+    calibration_file: str | None = None, seed: int = 0, split: str = "train", dataset: str | None = None
+) -> tuple[Iterable[str], str]:
+    """Documents of `split` ("train" to fit, "validation" to measure) and their description: a .txt file (one
+    document) or .jsonl/.json file (its `text` column), cut into pieces of which every tenth validates; a datasets
+    name or folder (`dataset`: its own validation split, or 5% of its documents); or by default the embedded mixed
+    prose and code of `qkvshare.convert.data` (lazy), in a seeded order."""
+    if dataset is not None:
+        from qkvshare.train.data import load_corpus
+        from qkvshare_cli.train import DataArguments
+
+        corpus = load_corpus(DataArguments(dataset_name=dataset), seed=seed)
+        documents = list(corpus.train if split == "train" else corpus.validation)
         random.Random(seed).shuffle(documents)
-        return documents, f"training split of the embedded corpus ({corpus.description}), seed {seed}"
+        return documents, f"--calibration_dataset {dataset} ({corpus.description}), {split} split, seed {seed}"
+    if calibration_file is None:
+        return data.documents("mixed", split, seed), data.describe(split, seed)
 
     path = Path(calibration_file).expanduser()
     if not path.is_file():
@@ -75,10 +87,10 @@ def calibration_texts(calibration_file: str | None, seed: int = 0) -> tuple[list
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         documents = [row.get("text") or "" for row in map(json.loads, lines)]
     documents = [text for text in documents if text.strip()]
-    return documents, str(path)
+    return data.split_documents(documents, split), f"{path}, {split} split"
 
 
-def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_size: int) -> torch.Tensor:
+def calibration_ids(tokenizer: Any, documents: Iterable[str], tokens: int, block_size: int) -> torch.Tensor:
     """Blocks (n, block_size) of the EOS-joined token stream of `documents`, `tokens // block_size` of them (fewer
     when the text is short: `check_calibration_ids` then says so)."""
     block_size = min(block_size, tokens)
@@ -95,13 +107,13 @@ def calibration_ids(tokenizer: Any, documents: list[str], tokens: int, block_siz
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, block_size)
 
 
-def _causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive causal mask (1, 1, T, T): what eager and sdpa attention both take."""
     upper = torch.ones(length, length, dtype=torch.bool).triu(1)
     return torch.zeros(length, length, dtype=dtype).masked_fill(upper, torch.finfo(dtype).min)[None, None]
 
 
-def _o_proj_input(attention: Any, hidden: torch.Tensor, position_embeddings: Any, mask: torch.Tensor) -> torch.Tensor:
+def o_proj_input(attention: Any, hidden: torch.Tensor, position_embeddings: Any, mask: torch.Tensor) -> torch.Tensor:
     """Run one attention module; return what its o_proj receives, (tokens, heads * head_dim)."""
     captured = []
     handle = attention.o_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
@@ -142,7 +154,7 @@ def source_streams(source: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], 
     return streams, inputs, rope[0]
 
 
-def _relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
     return float((output - reference).norm() / reference.norm().clamp_min(1e-12))
 
 
@@ -172,49 +184,47 @@ def calibrate(
     layers = range(config.num_hidden_layers)
     tied_any = any(config.is_kv_tied(i) for i in layers)
     errors: dict[str, list[float | None]] = {"converted": [], "drift": []}
-    errors |= {m: [] for m in KV_METHODS} if tied_any else {}
+    errors |= {m: [] for m in SIDE_BY_SIDE} if tied_any else {}
     with torch.no_grad():
         streams, inputs, rope = source_streams(source, ids)
         rope32 = tuple(t.float() for t in rope)
-        mask32 = _causal_mask(ids.shape[1], torch.float32)
+        mask32 = causal_mask(ids.shape[1], torch.float32)
         stream = streams[0].float()  # the converted model's residual stream (the same embeddings)
         for i in layers:
             src_attn, layer = source.model.layers[i].self_attn, model.model.layers[i]
             layer_attn = layer.self_attn
             src_dtype = src_attn.o_proj.weight.dtype
-            targets = _o_proj_input(src_attn, inputs[i], rope, _causal_mask(ids.shape[1], src_dtype))
+            targets = o_proj_input(src_attn, inputs[i], rope, causal_mask(ids.shape[1], src_dtype))
             o_bias = src_attn.o_proj.bias.float() if src_attn.o_proj.bias is not None else None
             reference = F.linear(targets, src_attn.o_proj.weight.float(), o_bias)  # the source's attention output
             hidden = inputs[i].float()
             own = layer.input_layernorm(stream)  # the converted model's attention input (its layers < i converted)
-            own_features = _o_proj_input(layer_attn, own, rope32, mask32)  # what o_proj receives: o_proj-free
+            own_features = o_proj_input(layer_attn, own, rope32, mask32)  # what o_proj receives: o_proj-free
             if config.is_kv_tied(i):
                 src_state = {k: v.float() for k, v in src_attn.state_dict().items()}
                 for name in ("value", "key"):
                     module = _attention_module(
                         config, i, attention_state(src_state, source_kv, config, i, name, query_method)
                     )
-                    features = _o_proj_input(module, hidden, rope32, mask32)
-                    errors[name].append(_relative_error(module.o_proj(features), reference))
+                    features = o_proj_input(module, hidden, rope32, mask32)
+                    errors[name].append(relative_error(module.o_proj(features), reference))
                 # `module` is now the `key` layer: calibrated = key projections + o_proj refitted on its features
                 heads = config.num_attention_heads
                 maps = fit_head_maps(features, targets.float(), heads, ridge, config.attention_bias)
                 fold_into_o_proj(module.o_proj, maps)
-                errors["calibrated"].append(_relative_error(module.o_proj(features), reference))
+                errors["calibrated"].append(relative_error(module.o_proj(features), reference))
                 if method == "calibrated" and calibration == "independent":
                     layer_attn.o_proj.load_state_dict(module.o_proj.state_dict())
                 elif method == "calibrated":  # sequential: the source layer's output for the converted path's input
-                    own_targets = _o_proj_input(
-                        src_attn, own.to(src_dtype), rope, _causal_mask(ids.shape[1], src_dtype)
-                    )
+                    own_targets = o_proj_input(src_attn, own.to(src_dtype), rope, causal_mask(ids.shape[1], src_dtype))
                     maps = fit_head_maps(own_features, own_targets.float(), heads, ridge, config.attention_bias)
                     fold_into_o_proj(layer_attn.o_proj, maps)
-            features = _o_proj_input(layer_attn, hidden, rope32, mask32)
-            errors["converted"].append(_relative_error(layer_attn.o_proj(features), reference))
+            features = o_proj_input(layer_attn, hidden, rope32, mask32)
+            errors["converted"].append(relative_error(layer_attn.o_proj(features), reference))
             if tied_any and not config.is_kv_tied(i):
-                for name in KV_METHODS:
+                for name in SIDE_BY_SIDE:
                     errors[name].append(None)
             stream = stream + layer_attn.o_proj(own_features).view_as(stream)
             stream = stream + layer.mlp(layer.post_attention_layernorm(stream))
-            errors["drift"].append(_relative_error(stream, streams[i + 1].float()))
+            errors["drift"].append(relative_error(stream, streams[i + 1].float()))
     return errors

@@ -4,40 +4,58 @@ checked by `qkvshare_cli.convert`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from qkvshare import QKVShareConfig
+import torch
+
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.convert import io as files
+from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
-from qkvshare.convert.io import load_source, load_source_tokenizer, read_source_config, save_converted
+from qkvshare.convert.distill import DistillSettings, run_distillation
+from qkvshare.convert.transfer import TransferSettings, kl_to_source, measure_layer_errors, source_log_probs
 from qkvshare_cli import main as cli_main
 from qkvshare_cli.conventions import report_bad_input
-from qkvshare_cli.convert import RECORD_FILE
+from qkvshare_cli.convert import RECORD_FILE, TRANSFER_DEFAULTS
 
 
 def run(args: argparse.Namespace) -> ConversionRecord:
-    """Check everything that needs no weights, read calibration text, load the source, convert, save."""
-    source_config = read_source_config(args.source)
+    """Check everything that needs no weights, read calibration text, load the source, convert (resumably, with
+    --method transfer), distil (stage c), and publish the model directory whole."""
+    source_config = files.read_source_config(args.source)
     config, method, query_method = plan_conversion(
         source_config, args.variant, args.method, args.query_method, **args.overrides
     )
-    tokenizer = load_source_tokenizer(args.source)
+    tokenizer = files.load_source_tokenizer(args.source)
     source_kv = source_config.get("num_key_value_heads") or source_config["num_attention_heads"]
-    ids = description = None
+    check_cache_budget(config, method, source_kv, args.cache_budget)
+    ids = validation = description = None
     changes_attention = method is not None or config.num_key_value_heads < source_kv or query_method is not None
-    if method == "calibrated" and tokenizer is None:
+    if method in ("calibrated", "transfer") and tokenizer is None:
         raise ValueError(
-            f"{args.source} has no tokenizer, which method='calibrated' needs to read calibration text; save the "
+            f"{args.source} has no tokenizer, which method={method!r} needs to read calibration text; save the "
             "source's tokenizer next to its weights, or use --method key."
         )
+    block = args.calibration_block_size
     if changes_attention and tokenizer is not None:
-        documents, description = calibration_texts(args.calibration_file, args.seed)
-        ids = calibration_ids(tokenizer, documents, args.calibration_tokens, args.calibration_block_size)
+        documents, description = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
+        ids = calibration_ids(tokenizer, documents, args.calibration_tokens, block)
         check_calibration_ids(ids, config)
-    source = load_source(args.source)
+    if method == "transfer":
+        held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
+        validation = calibration_ids(tokenizer, held_out, args.validation_tokens, block)
+        check_calibration_ids(validation, config, "the validation split of the calibration text")
+    out = Path(args.output_dir)
+    work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
+    source = files.load_source(args.source)
+    started = time.perf_counter()
     model, record = convert(
         source,
         args.variant,
@@ -48,14 +66,106 @@ def run(args: argparse.Namespace) -> ConversionRecord:
         calibration=args.calibration,
         source_name=str(args.source),
         calibration_source=description,
+        validation_ids=validation,
+        transfer=transfer_settings(args) if method == "transfer" else None,
+        cache_budget=args.cache_budget,
+        work_dir=work / "stages" if work is not None else None,
+        progress=True,
         **args.overrides,
     )
-    out = Path(args.output_dir)
-    if out.exists() and args.overwrite_output_dir and (out / RECORD_FILE).is_file():
-        shutil.rmtree(out)
-    save_converted(model, record, out, tokenizer, args.dtype)
-    _print_summary(record, config, source_config, out)
+    if method == "transfer" and args.distill_tokens > 0:
+        model = distil(args, source, model, record, tokenizer, validation, work)
+    record.seconds = round(time.perf_counter() - started, 2)
+    files.publish(lambda folder: files.save_converted(model, record, folder, tokenizer, args.dtype), out)
+    if work is not None:
+        shutil.rmtree(work)
+    _print_summary(record, model.config, source_config, out)
     return record
+
+
+# dataclass field <- command flag, for each stage's settings
+TRANSFER_FLAGS = {"ridge": "ridge", "steps": "transfer_steps", "batch_size": "transfer_batch_size", "seed": "seed"}
+TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate"}
+DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_rate", "temperature", "lm_weight")}
+DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
+
+
+def transfer_settings(args: argparse.Namespace) -> TransferSettings:
+    """Stages (a) and (b) from the command's flags."""
+    return TransferSettings(**{field: getattr(args, flag) for field, flag in TRANSFER_FLAGS.items()})
+
+
+def distill_settings(args: argparse.Namespace) -> DistillSettings:
+    """Stage (c) from the command's flags."""
+    return DistillSettings(**{field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()})
+
+
+def conversion_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What a transfer conversion's saved progress depends on (a rerun must match it to continue from it)."""
+    keys = ("variant", "method", "query_method", "overrides", "calibration_file", "calibration_dataset")
+    keys += ("calibration_tokens", "calibration_block_size", "ridge", "seed", *TRANSFER_DEFAULTS)
+    return {"source": str(Path(args.source).expanduser().resolve())} | {key: getattr(args, key) for key in keys}
+
+
+def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
+    """The work folder of the conversion into `out`: new, or an interrupted one with the same plan (continued)."""
+    work = files.work_dir_for(out)
+    plan_file = work / "plan.json"
+    if plan_file.is_file():
+        saved = json.loads(plan_file.read_text())
+        changed = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in plan.items() if saved.get(k) != v]
+        if changed:
+            raise ValueError(
+                f"{work} holds the progress of an interrupted conversion into {out} with other settings "
+                f"({'; '.join(changed)}); rerun with those settings to continue it, or delete {work} to start over."
+            )
+        print(f"qkvshare convert: continuing the interrupted conversion saved in {work}", flush=True)
+        return work
+    work.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(json.dumps(plan, indent=2))
+    return work
+
+
+def distil(
+    args: argparse.Namespace,
+    source: Any,
+    model: Any,
+    record: ConversionRecord,
+    tokenizer: Any,
+    validation: Any,
+    work: Path,
+) -> Any:
+    """Stage (c): save the model of stages (a)-(b), distil it from SRC with `qkvshare train --teacher` in the work
+    folder, and record its errors, KL divergence, tokens and time. Returns the distilled model."""
+    stage_model = work / "stage-model"
+    if not (stage_model / RECORD_FILE).is_file():  # written last: the folder is complete
+        files.save_converted(model, record, stage_model, tokenizer)
+    started = time.perf_counter()
+    train_texts, _ = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
+    held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
+    settings = distill_settings(args)
+    try:
+        folder, metrics = run_distillation(
+            stage_model, str(args.source), train_texts, held_out, tokenizer, work, settings
+        )
+    except RuntimeError as err:
+        raise DistillationStopped(str(err)) from err
+    distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = source_log_probs(source, validation)
+    record.layer_errors["distill"] = measure_layer_errors(source, distilled, validation)
+    record.layer_errors["converted"] = record.layer_errors["distill"]
+    record.stages["distill"] = asdict(settings) | {
+        "steps": settings.steps,
+        "tokens": metrics["tokens_seen"],
+        "seconds": round(time.perf_counter() - started, 2),
+        "kl_to_source": kl_to_source(reference, distilled, validation),
+        "validation_kl_of_the_run": metrics.get("val_kl"),
+    }
+    return distilled
+
+
+class DistillationStopped(RuntimeError):
+    """Stage (c)'s training run stopped (a signal, a full disk, a diverged loss); rerunning continues it."""
 
 
 def _print_summary(record: ConversionRecord, config: Any, source_config: dict[str, Any], out: Path) -> None:
@@ -67,12 +177,23 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
         f"kv_tie_point {record.kv_tie_point}, head pooling {record.head_pooling or '-'}",
         f"KV cache per token (16-bit): {config.kv_cache_bytes_per_token():,} bytes (source {before:,})",
     ]
-    for name in ("key", "value", "calibrated", "converted"):
+    tokens = record.validation_tokens or record.calibration_tokens
+    where = "held-out" if record.validation_tokens else "calibration"
+    for name in ("key", "value", "calibrated", "init", "closed_form", "transfer", "distill", "converted"):
         mean = record.mean_error(name)
         if mean is not None:
-            lines.append(f"mean attention-output error ({name}): {mean:.4f} over {record.calibration_tokens:,} tokens")
+            kl = record.stages.get(name, {}).get("kl_to_source")
+            then = f"; KL to the source {kl:.4f} per token" if kl is not None else ""
+            lines.append(f"mean attention-output error ({name}): {mean:.4f} over {tokens:,} {where} tokens{then}")
     if record.layer_errors.get("drift"):
         lines.append(f"hidden-state drift after the last layer: {record.layer_errors['drift'][-1]:.4f}")
+    if record.cache_budget is not None:
+        b = record.cache_budget
+        lines.append(
+            f"cache budget {b['budget']}: tied layers {b['tied_layers']} (lowest {b['chosen_by']}), "
+            f"{b['kv_bytes_per_token']:,} of the source's {b['source_kv_bytes_per_token']:,} bytes per token "
+            f"({b['fraction']:.4f}); KL to the source {record.stages['cache_budget']['kl_to_source']:.4f} per token"
+        )
     lines.append(f"model directory: {out.resolve()}")
     print("\n".join(lines), flush=True)
 
@@ -83,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(args: argparse.Namespace) -> int:
-    """`qkvshare convert` with its parsed arguments: 0 done, 2 bad input (one paragraph on stderr)."""
+    """`qkvshare convert` with its parsed arguments: 0 done, 1 stopped while writing or distilling (what is saved
+    stays; rerunning continues), 2 bad input (one paragraph on stderr)."""
     try:
         run(args)
     except ValueError as err:
         return report_bad_input("convert", err)
+    except (files.ConversionWriteError, DistillationStopped) as err:
+        print(f"qkvshare convert: stopped: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -4,7 +4,8 @@ the record it writes (`conversion.json`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +14,16 @@ import transformers
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.analysis.common import llama_config_dict
 from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
+from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
+from qkvshare.convert.transfer import (
+    TransferSettings,
+    changed_layers,
+    kl_to_source,
+    measure_layer_errors,
+    run_stages,
+    source_log_probs,
+)
 from qkvshare.convert.weights import build_converted
 from qkvshare.version import __version__
 from qkvshare_cli.convert import (
@@ -50,6 +60,12 @@ class ConversionRecord:
     # per-layer ||y' - y|| / ||y|| of the attention output: "converted" (the model saved) and, for tied layers,
     # "key", "value" and "calibrated" measured side by side (None where a method does not apply to a layer)
     layer_errors: dict[str, list[float | None]] = field(default_factory=dict)
+    # --method transfer: held-out tokens of the errors, each stage's budget, time and whole-model KL divergence to
+    # the source ("kl_to_source"), the layers where a stage was not kept, and the --cache_budget choice
+    validation_tokens: int = 0
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    not_kept: dict[str, list[int]] = field(default_factory=dict)
+    cache_budget: dict[str, Any] | None = None
     seconds: float = 0.0
     qkvshare_version: str = ""
     transformers_version: str = ""
@@ -76,7 +92,8 @@ def plan_conversion(
     **overrides: Any,
 ) -> tuple[QKVShareConfig, str | None, str | None]:
     """The target config and the resolved K=V and Q=K methods, or a `ValueError` saying why the source cannot be
-    converted so. `source_config` is a Llama-architecture config object or `config.json` dict."""
+    converted so. `source_config` is a Llama-architecture config object or `config.json` dict. `method="transfer"`
+    applies to every changed layer (K=V, Q=K, pooled heads)."""
     d = source_config.to_dict() if hasattr(source_config, "to_dict") else dict(source_config)
     check_architecture(d)
     if not hasattr(source_config, "to_dict"):  # a config.json may leave fields to their defaults
@@ -115,7 +132,13 @@ def plan_conversion(
             f"({shape}){why}; a conversion can pool heads, not invent them. Choose at most {source_kv} (e.g. "
             "Q-K=V, which keeps the source's heads, Q-MQA or MQA)."
         )
-    if method is not None and not tied:
+    pooled = config.num_key_value_heads < source_kv
+    if method == "transfer" and not (tied or query_tied or pooled):
+        raise ValueError(
+            f"method='transfer' fits converted attention layers, but variant={variant!r} ({config.variant}) changes "
+            "none of the source's (an exact copy); leave --method out."
+        )
+    if method is not None and method != "transfer" and not tied:
         raise ValueError(
             f"method={method!r} chooses how K=V layers are made, but variant={variant!r} ({config.variant}) has no "
             "K=V layer; leave --method out."
@@ -125,9 +148,9 @@ def plan_conversion(
             f"query_method={query_method!r} chooses how Q=K layers are made, but variant={variant!r} "
             f"({config.variant}) has no Q=K layer; leave --query_method out."
         )
-    method = (method or DEFAULT_METHOD) if tied else None
+    method = method if method == "transfer" else (method or DEFAULT_METHOD) if tied else None
     query_method = (query_method or "key") if query_tied else None
-    if method == "calibrated" and "kv_tie_point" not in overrides:
+    if method in ("calibrated", "transfer") and "kv_tie_point" not in overrides:
         config.kv_tie_point = "pre_rope"  # the tie under which the value is a linear function of U (docstring)
     return config, method, query_method
 
@@ -143,6 +166,11 @@ def convert(
     calibration: str = DEFAULT_CALIBRATION,
     source_name: str | None = None,
     calibration_source: str | None = None,
+    validation_ids: torch.Tensor | None = None,
+    transfer: TransferSettings | None = None,
+    cache_budget: float | None = None,
+    work_dir: Path | None = None,
+    progress: bool = False,
     **overrides: Any,
 ) -> tuple[QKVShareForCausalLM, ConversionRecord]:
     """Convert a Llama-architecture causal LM (`LlamaForCausalLM`, Mistral, Qwen2) to `variant`.
@@ -151,7 +179,8 @@ def convert(
         source: the pretrained model (left unchanged).
         variant: a paper name (`QKVShareConfig.from_llama`): `None`/`QKV` copy, `Q-K=V` (keeps the source's
             key/value heads), `Q=K-V`, `Q=K=V`, `GQA-<g>`, `MQA`, `Q-GQA-<g>`, `Q-MQA`.
-        method: K=V layers: `key`, `value` or `calibrated` (default; needs `calibration_ids`).
+        method: K=V layers: `key`, `value` or `calibrated` (default; needs `calibration_ids`), or `transfer`
+            (every changed layer; needs `calibration_ids` and `validation_ids`; `qkvshare.convert.transfer`).
         query_method: Q=K layers: `key` (default) or `query`.
         calibration_ids: (batch, length) token ids from the source's tokenizer. Required by `calibrated`; with
             any method they also give the per-layer errors of the record.
@@ -159,6 +188,11 @@ def convert(
         calibration: `sequential` (default: fit each layer on the converted model's own hidden states) or
             `independent` (on the source's).
         source_name, calibration_source: what the record says the source and the calibration text were.
+        validation_ids: held-out (batch, length) token ids on which `transfer` measures every stage.
+        transfer: the settings of stages (a) and (b) (default `TransferSettings(ridge=ridge)`).
+        cache_budget: with `transfer`, the fraction of the source's KV bytes to keep (`qkvshare.convert.budget`).
+        work_dir: with `transfer`, where the stages save their progress (a rerun continues from it).
+        progress: progress bars of the transfer stages.
         overrides: config fields of `CONVERT_OVERRIDES` (e.g. `kv_tie_point="post_rope"`).
 
     Returns the converted model (float32, eval mode) and its `ConversionRecord`. Raises `ValueError` before any
@@ -168,14 +202,34 @@ def convert(
     if calibration not in CALIBRATIONS:
         raise ValueError(f"calibration={calibration!r} is not a calibration; use one of {', '.join(CALIBRATIONS)}.")
     config, method, query_method = plan_conversion(source.config, variant, method, query_method, **overrides)
-    if method == "calibrated" or calibration_ids is not None:
+    if method in ("calibrated", "transfer") or calibration_ids is not None:
         check_calibration_ids(calibration_ids, config)
+    if method == "transfer":
+        check_calibration_ids(validation_ids, config, "validation_ids")
     heads = source.config.num_attention_heads
     source_kv = getattr(source.config, "num_key_value_heads", None) or heads
+    check_cache_budget(config, method, source_kv, cache_budget)
     model = build_converted(source.state_dict(), source_kv, config, method, query_method)
-    errors = {}
-    if calibration_ids is not None:
-        source.eval()
+    errors, extra = {}, {}
+    source.eval()
+    if method == "transfer":
+        model, extra = _transfer(
+            source,
+            model,
+            source_kv,
+            calibration_ids,
+            validation_ids,
+            transfer or TransferSettings(ridge=ridge),
+            cache_budget,
+            work_dir,
+            progress,
+            variant,
+            query_method,
+            overrides,
+        )
+        errors = extra.pop("layer_errors")
+        config = model.config
+    elif calibration_ids is not None:
         errors = calibrate(source, model, calibration_ids, source_kv, method, query_method, ridge, calibration)
     record = ConversionRecord(
         source=source_name or type(source).__name__,
@@ -190,11 +244,79 @@ def convert(
         head_pooling="mean" if config.num_key_value_heads < source_kv else None,
         calibration_tokens=int(calibration_ids.numel()) if calibration_ids is not None else 0,
         calibration_source=calibration_source if calibration_ids is not None else None,
-        ridge=ridge if method == "calibrated" else None,
+        ridge=ridge if method in ("calibrated", "transfer") else None,
         calibration=calibration if method == "calibrated" else None,
         layer_errors=errors,
+        validation_tokens=int(validation_ids.numel()) if method == "transfer" else 0,
+        **extra,
         seconds=round(time.perf_counter() - started, 2),
         qkvshare_version=__version__,
         transformers_version=transformers.__version__,
     )
     return model, record
+
+
+def _transfer(
+    source: Any,
+    model: QKVShareForCausalLM,
+    source_kv: int,
+    train_ids: torch.Tensor,
+    validation_ids: torch.Tensor,
+    settings: TransferSettings,
+    cache_budget: float | None,
+    work_dir: Path | None,
+    progress: bool,
+    variant: str | None,
+    query_method: str | None,
+    overrides: dict[str, Any],
+) -> tuple[QKVShareForCausalLM, dict[str, Any]]:
+    """Stages (a) and (b) on every changed layer, then the --cache_budget choice; the model and the record's
+    transfer fields (layer_errors, stages, not_kept, cache_budget)."""
+    reference = source_log_probs(source, validation_ids)
+    current = model
+
+    def after_stage(stage: str) -> dict[str, Any]:
+        return {"kl_to_source": kl_to_source(reference, current, validation_ids)}
+
+    layers = changed_layers(model.config, source_kv)
+    result = run_stages(
+        source, model, layers, train_ids, validation_ids, settings, work_dir, progress=progress, after_stage=after_stage
+    )
+    errors = result["layer_errors"]
+    budget = None
+    if cache_budget is not None:
+        last = list(errors)[-1]  # the last stage run
+        current, choice = budget_model(source, model, errors[last], cache_budget, variant, query_method, overrides)
+        budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": f"layer_errors[{last!r}]"}
+        result["stages"]["cache_budget"] = after_stage("cache_budget")
+    errors["converted"] = measure_layer_errors(source, current, validation_ids)
+    extra = {
+        "layer_errors": errors,
+        "stages": result["stages"],
+        "not_kept": result.get("not_kept", {}),
+        "cache_budget": budget,
+    }
+    return current, extra
+
+
+def budget_model(
+    source: Any,
+    model: QKVShareForCausalLM,
+    errors: list[float | None],
+    cache_budget: float,
+    variant: str | None,
+    query_method: str | None,
+    overrides: dict[str, Any],
+) -> tuple[QKVShareForCausalLM, BudgetChoice]:
+    """`model` (every layer converted) with only the layers `choose_tied_layers` picks for `cache_budget` kept
+    converted; every other layer is the source's exact copy (`layer_projection_sharing`)."""
+    choice = choose_tied_layers(model.config, errors, cache_budget)
+    fields = {"kv_tie_point": model.config.kv_tie_point} | overrides
+    config = QKVShareConfig.from_llama(
+        source.config, variant, **(fields | {"layer_projection_sharing": choice.layer_projection_sharing})
+    )
+    source_kv = getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads
+    mixed = build_converted(source.state_dict(), source_kv, config, "transfer", query_method)
+    for i in choice.tied_layers:
+        mixed.model.layers[i].self_attn.load_state_dict(model.model.layers[i].self_attn.state_dict())
+    return mixed, choice

@@ -127,6 +127,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     lock: OutputDirLock | None  # held by the main process until the run ends
+    teacher: Any = None  # --teacher's model (eval mode, no gradients) on this rank's device, or None
 
     @property
     def global_batch_blocks(self) -> int:
@@ -506,9 +507,12 @@ def setup(args: Arguments) -> Run:
         )
 
         model = build_model(args, config)
+        teacher = load_teacher(m.teacher, config, tokenizer) if m.teacher else None
         fpt = flops_per_token(model, config, block_size)
         optimizer = build_optimizer(model, args)
         model, optimizer = accelerator.prepare(model, optimizer)
+        if teacher is not None:  # not prepared: it takes no gradients, so DDP/FSDP have nothing to synchronise
+            teacher = teacher.to(accelerator.device)
         start_step, tokens_seen = 0, 0
         if saved is not None:
             restore_checkpoint(accelerator, resume_path)
@@ -534,7 +538,39 @@ def setup(args: Arguments) -> Run:
         fpt,
         peak_flops_per_device(accelerator.device, t.peak_tflops),
         lock,
+        teacher,
     )
+
+
+def load_teacher(path: str, config: QKVShareConfig, tokenizer: Any) -> Any:
+    """--teacher's causal LM (float32, eval mode, frozen): a model directory of any causal LM transformers loads
+    (its weights checked against its config first), or a .gguf file (de-quantized as `qkvshare convert` reads it).
+    Its logits must cover the student's vocabulary and, when it has a tokenizer, that tokenizer must be the
+    student's: KL divergence compares the two distributions token id by token id."""
+    teacher_path = Path(path).expanduser()
+    label = f"--teacher {path!r}"
+    if teacher_path.is_file():
+        from qkvshare.convert import load_source
+
+        try:
+            model = load_source(str(teacher_path))
+        except ValueError as err:
+            raise TrainingSetupError(f"{label}: {err}") from None
+    else:
+        check_weights_fit_config(teacher_path, model_class=AutoModelForCausalLM, label=label, error=TrainingSetupError)
+        model = AutoModelForCausalLM.from_pretrained(str(teacher_path), dtype=torch.float32)
+        has_tokenizer = any((teacher_path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+        if has_tokenizer and load_tokenizer(str(teacher_path)).get_vocab() != tokenizer.get_vocab():
+            raise TrainingSetupError(
+                f"{label} has another tokenizer than the student's: its next-token distribution is over other "
+                "tokens. Distil from a teacher with the student's vocabulary (e.g. the model it was converted from)."
+            )
+    if model.config.vocab_size != config.vocab_size:
+        raise TrainingSetupError(
+            f"{label} predicts {model.config.vocab_size} token ids but the student {config.vocab_size}: the two "
+            "distributions cannot be compared. Distil from a teacher with the student's vocabulary."
+        )
+    return model.eval().requires_grad_(False)
 
 
 def build_optimizer(model: torch.nn.Module, args: Arguments) -> torch.optim.AdamW:
@@ -558,6 +594,31 @@ def next_token_loss(model: Any, blocks: torch.Tensor, reduction: str = "mean") -
     return F.cross_entropy(logits.float().flatten(0, 1), blocks[:, 1:].flatten(), reduction=reduction)
 
 
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 x KL(teacher || student) of the softened distributions, summed over the vocabulary and averaged over
+    tokens (Hinton et al. 2015: the T^2 keeps the gradient scale independent of T)."""
+    student = F.log_softmax(logits.float().flatten(0, -2) / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits.float().flatten(0, -2) / temperature, dim=-1)
+    kl = F.kl_div(student, teacher, log_target=True, reduction="sum") / student.shape[0]
+    return kl * temperature**2
+
+
+def train_loss(run: Run, blocks: torch.Tensor) -> torch.Tensor:
+    """The loss of one micro-batch: the LM loss, or with --teacher the distillation loss mixed with it."""
+    if run.teacher is None:
+        return next_token_loss(run.model, blocks)
+    t = run.args.train
+    inputs = blocks[:, :-1]
+    logits = run.model(input_ids=inputs, use_cache=False).logits
+    with torch.no_grad(), run.accelerator.autocast():
+        teacher_logits = run.teacher(input_ids=inputs, use_cache=False).logits
+    loss = distillation_loss(logits, teacher_logits, t.distill_temperature)
+    if t.distill_lm_weight:
+        lm = F.cross_entropy(logits.float().flatten(0, 1), blocks[:, 1:].flatten())
+        loss = (1 - t.distill_lm_weight) * loss + t.distill_lm_weight * lm
+    return loss
+
+
 def train_step(run: Run, step: int) -> tuple[float, float]:
     """One optimizer step (all micro-steps). Returns (mean loss over ranks, grad norm); raises on a non-finite loss."""
     acc, t = run.accelerator, run.args.train
@@ -573,7 +634,7 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
         blocks = run.train_data.batch(step, micro).to(acc.device)
         sync = micro == accumulation - 1
         with nullcontext() if sync else acc.no_sync(run.model):
-            loss = next_token_loss(run.model, blocks)
+            loss = train_loss(run, blocks)
             acc.backward(loss / accumulation)
         loss_sum += loss.detach()
     mean_loss = acc.reduce(loss_sum / accumulation, reduction="mean").item()
@@ -597,7 +658,8 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Token-weighted validation loss and perplexity over all validation blocks, split across ranks.
+    """Token-weighted validation loss and perplexity over all validation blocks, split across ranks; with
+    --teacher also the mean KL(teacher || model) per token at temperature 1 (`eval/kl`).
 
     Every rank runs the same number of forward passes (short ranks repeat block 0 with weight 0), which
     collective wrappers such as FSDP need.
@@ -609,16 +671,27 @@ def evaluate(run: Run) -> dict[str, float]:
     padded = mine + [0] * (per_rank - len(mine))
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     run.model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=acc.device)  # (sum of token losses, token count)
+    # (sum of token losses, token count, sum of token KL divergences to the teacher)
+    totals = torch.zeros(3, dtype=torch.float64, device=acc.device)
     for start in range(0, per_rank, bs):
         blocks = run.val_blocks.stack(padded[start : start + bs]).to(acc.device)
         w = torch.tensor(weights[start : start + bs], device=acc.device, dtype=torch.float64)
-        per_block = next_token_loss(run.model, blocks, reduction="none").view(len(blocks), -1).double().sum(-1)
-        totals[0] += (per_block * w).sum()
+        logits = run.model(input_ids=blocks[:, :-1], use_cache=False).logits.float()
+        token_loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten(), reduction="none")
+        totals[0] += (token_loss.view(len(blocks), -1).double().sum(-1) * w).sum()
         totals[1] += w.sum() * run.block_size
+        if run.teacher is not None:
+            with acc.autocast():
+                teacher_logits = run.teacher(input_ids=blocks[:, :-1], use_cache=False).logits
+            teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+            kl = (teacher.exp() * (teacher - F.log_softmax(logits, dim=-1))).sum(-1)  # (B, T)
+            totals[2] += (kl.double().sum(-1) * w).sum()
     totals = acc.reduce(totals, reduction="sum")
     loss = (totals[0] / totals[1]).item()
-    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": int(totals[1].item())}
+    result = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/tokens": int(totals[1].item())}
+    if run.teacher is not None:
+        result["eval/kl"] = (totals[2] / totals[1]).item()
+    return result
 
 
 class StopRequest:
@@ -740,6 +813,7 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
         "val_loss": final["eval/loss"],
         "val_perplexity": final["eval/perplexity"],
         "val_tokens": final["eval/tokens"],
+        "val_kl": final.get("eval/kl"),
         "tokens_per_second": metrics.get("train/tokens_per_second"),
         "mfu": metrics.get("train/mfu"),
         "flops_per_token": run.flops_per_token,
@@ -841,7 +915,10 @@ def _print_header(run: Run) -> None:
         f"({c.num_hidden_layers} layers, d={c.hidden_size}, {c.num_attention_heads} heads, vocab {c.vocab_size}); "
         f"{run.accelerator.num_processes} process(es) on {run.accelerator.device}; {n_train} train blocks, "
         f"{len(run.val_blocks)} validation blocks of {run.block_size} tokens; global batch {run.global_batch_blocks} "
-        f"blocks; steps {run.start_step} -> {t.max_steps}",
+        f"blocks; steps {run.start_step} -> {t.max_steps}"
+        + (
+            f"; distilling from {run.args.model.teacher} (T={t.distill_temperature})" if run.teacher is not None else ""
+        ),
         flush=True,
     )
 
@@ -850,7 +927,8 @@ def _print_summary(result: dict[str, Any], out: Path) -> None:
     kv, qkv = result["kv_cache_bytes_per_token"], result["qkv_kv_cache_bytes_per_token"]
     lines = [
         f"validation perplexity: {result['val_perplexity']:.2f} (loss {result['val_loss']:.4f} over "
-        f"{result['val_tokens']:,} tokens)",
+        f"{result['val_tokens']:,} tokens)"
+        + (f", KL to the teacher {result['val_kl']:.4f} per token" if result.get("val_kl") is not None else ""),
         f"KV cache per token (16-bit): {kv:,} bytes for {result['variant']} vs {qkv:,} bytes for QKV of the same shape "
         f"({100 * (1 - kv / qkv):.1f}% smaller)",
     ]

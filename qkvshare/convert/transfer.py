@@ -1,0 +1,481 @@
+"""`qkvshare convert --method transfer`: make a converted attention layer do what the source's did, layer by layer.
+
+Why it works: a conversion changes only attention, and each converted layer can be taught on dense local targets
+(the source layer's attention output: `hidden_size` numbers per token and layer, not one next-token loss), with
+the SOURCE's hidden states as inputs, so the layers are independent (one source forward pass serves all of them)
+and their errors do not compound while they are fitted. When the key projection is kept (Q-K=V with the source's
+key heads) every attention probability matrix P is exactly the source's, and the whole error is in the values.
+
+Stages (each resumable from a work folder; the errors before and after each go to `conversion.json`)
+- (a) closed form: per converted layer, two candidate o_proj weights, and the one with the lowest error on the
+  held-out (validation) tokens is kept, or the layer as it was when neither is better:
+  "per_head", the calibrated method's maps M_h (one d_h x d_h map per query head from the converted head output
+  to the source's, folded into o_proj; `qkvshare_cli.convert`'s docstring), here fitted on the source's hidden
+  states; and "full", o_proj refitted by ridge regression in output space from the features it receives,
+  concat_h(P'_h U_g(h)) (P' the converted layer's attention, = P when the key is kept; U its shared key/value), to
+  the source layer's attention-block output y, shrunk toward the per-head solution:
+      W_o, b_o = argmin ||F W^T + b - Y||^2 + lambda ||W - W_per_head||^2,  lambda = ridge x trace(F^T F) / width,
+  a map of the whole concatenation (it may mix heads), solved from the Gram matrix accumulated in float64. The
+  full map has hidden x (hidden + 1) unknowns: with a few thousand calibration tokens it overfits (measured on
+  SmolLM2: held-out perplexity 82 against the per-head maps' 62, docs/results.md section 11.2), hence the
+  shrinkage and the held-out choice.
+- (b) attention transfer (LoLCATs, Zhang et al., ICLR 2025, section 3.1 "attention transfer"): each converted
+  layer's attention weights (q_proj, the shared k_proj, v_proj where it exists, o_proj, biases) trained with Adam
+  to minimise the normalised MSE ||y' - y||^2 / ||y||^2 between its output and the source layer's, on the
+  source's hidden states; the trained layer is kept only if it is better on the validation tokens. Training the shared projection is the only way to carry value information outside the
+  key's subspace. The batch of step s of layer l is a pure function of (seed, l, s) and the learning rate of s,
+  so a run resumed from a saved step reproduces the uninterrupted one exactly.
+- (c) end-to-end distillation against the source's logits: `qkvshare train --teacher` (the same loop, resume,
+  checkpoints and DDP), run by the command line on the converted model (`qkvshare.convert.cli`).
+Head pooling (GQA-g, MQA, Q-GQA-g, Q-MQA) and Q=K layers take the same stages: their init is the mean-pooled or
+key-as-query copy, and (a)/(b) fit what pooling or the symmetric score lost.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from qkvshare.convert.calibration import causal_mask, o_proj_input
+from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
+from qkvshare.train.schedule import get_lr
+from qkvshare_cli.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
+
+STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
+ERRORS_FILE = "errors.json"
+
+
+@dataclass
+class TransferSettings:
+    """How stages (a) and (b) run (the command's flags of the same names)."""
+
+    closed_form: bool = True  # stage (a)
+    ridge: float = DEFAULT_TRANSFER_RIDGE  # relative ridge of the o_proj fit
+    steps: int = 100  # stage (b): Adam steps per layer (0: no stage (b))
+    batch_size: int = 2  # sequences per step
+    learning_rate: float = 1e-3  # peak, cosine down to a tenth after `warmup_steps`
+    warmup_steps: int = 10
+    save_steps: int = 50  # stage (b) saves the layer in progress every this many steps
+    seed: int = 0
+
+
+@dataclass
+class Activations:
+    """The source's attention inputs and outputs on a set of token blocks, every layer, float32."""
+
+    inputs: list[torch.Tensor]  # per layer (n, T, hidden): input_layernorm(h), what attention receives
+    outputs: list[torch.Tensor]  # per layer (n, T, hidden): the attention block's output (after o_proj)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (1, T, D)
+    mask: torch.Tensor  # additive causal mask (1, 1, T, T)
+
+    @property
+    def blocks(self) -> int:
+        return self.inputs[0].shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs[0].shape[0] * self.inputs[0].shape[1]
+
+
+@torch.no_grad()
+def source_activations(source: Any, ids: torch.Tensor, batch_size: int = 4) -> Activations:
+    """Run the source on `ids` (n, T) in batches; keep every layer's attention input and output (float32)."""
+    layers = source.model.layers
+    inputs: list[list[torch.Tensor]] = [[] for _ in layers]
+    outputs: list[list[torch.Tensor]] = [[] for _ in layers]
+    rope: list[Any] = []
+
+    def before(i: int) -> Callable:
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            inputs[i].append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).float())
+            rope[:] = [kwargs.get("position_embeddings")]
+
+        return hook
+
+    def after(i: int) -> Callable:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            outputs[i].append((output[0] if isinstance(output, tuple) else output).float())
+
+        return hook
+
+    handles = [layer.self_attn.register_forward_pre_hook(before(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.self_attn.register_forward_hook(after(i)) for i, layer in enumerate(layers)]
+    try:
+        for start in range(0, ids.shape[0], batch_size):
+            source.model(input_ids=ids[start : start + batch_size], use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    cos, sin = (t[:1].float() for t in rope[0])
+    return Activations(
+        [torch.cat(x) for x in inputs],
+        [torch.cat(y) for y in outputs],
+        (cos, sin),
+        causal_mask(ids.shape[1], torch.float32),
+    )
+
+
+def attention_output(module: Any, acts: Activations, layer: int, index: Any = slice(None)) -> torch.Tensor:
+    """The converted attention `module`'s output on the source's inputs of `layer` (blocks `index`)."""
+    x = acts.inputs[layer][index]
+    rope = tuple(t.expand(x.shape[0], -1, -1) for t in acts.rope)
+    return module(hidden_states=x, position_embeddings=rope, attention_mask=acts.mask)[0]
+
+
+@torch.no_grad()
+def layer_error(module: Any, acts: Activations, layer: int, batch_size: int = 8) -> float:
+    """||y' - y|| / ||y|| over all blocks: the converted layer's output against the source layer's."""
+    diff = ref = 0.0
+    for start in range(0, acts.blocks, batch_size):
+        index = slice(start, start + batch_size)
+        y = acts.outputs[layer][index].double()
+        diff += float((attention_output(module, acts, layer, index).double() - y).pow(2).sum())
+        ref += float(y.pow(2).sum())
+    return math.sqrt(diff / max(ref, 1e-30))
+
+
+def changed_layers(config: Any, source_kv_heads: int) -> list[int]:
+    """The layers whose attention a conversion to `config` changes: tied, Q=K or with pooled key/value heads."""
+    pooled = config.num_key_value_heads < source_kv_heads
+    return [i for i in range(config.num_hidden_layers) if pooled or config.layer_sharing(i) != "none"]
+
+
+@torch.no_grad()
+def measure_layer_errors(source: Any, model: Any, ids: torch.Tensor, batch_size: int = 4) -> list[float]:
+    """Every layer's error (`layer_error`) of the converted `model` on the source's hidden states over `ids`."""
+    acts = source_activations(source, ids, batch_size)
+    return [layer_error(layer.self_attn, acts, i) for i, layer in enumerate(model.model.layers)]
+
+
+@torch.no_grad()
+def source_log_probs(source: Any, ids: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+    """The source's next-token log-probabilities on `ids` (n, T, vocab), float32: the reference of `kl_to_source`."""
+    return torch.cat(
+        [F.log_softmax(source(ids[s : s + batch_size]).logits.float(), -1) for s in range(0, len(ids), batch_size)]
+    )
+
+
+@torch.no_grad()
+def kl_to_source(reference: torch.Tensor, model: Any, ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean KL(source || model) per token over `ids`, at temperature 1 (`reference` from `source_log_probs`)."""
+    total = 0.0
+    for start in range(0, len(ids), batch_size):
+        own = F.log_softmax(model(ids[start : start + batch_size]).logits.float(), -1)
+        ref = reference[start : start + batch_size]
+        total += float((ref.exp() * (ref - own)).sum())
+    return total / (ids.shape[0] * ids.shape[1])
+
+
+@torch.no_grad()
+def closed_form_fits(
+    module: Any, source_attention: Any, acts: Activations, layer: int, ridge: float, batch_size: int = 8
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Stage (a)'s two candidate o_proj weights for the converted attention `module` (state dicts of its o_proj):
+
+    - "per_head": the calibrated method's per-head maps M_h (`fit_head_maps`, ridge `DEFAULT_RIDGE`) from the
+      converted layer's head outputs to the source layer's (what the source's o_proj receives), on the source's
+      hidden states, folded into o_proj;
+    - "full": the whole o_proj refitted in output space (module docstring), shrunk toward "per_head":
+      W = argmin ||F W^T + b - Y||^2 + lambda ||W - W_per_head||^2, lambda = ridge x mean diag(F^T F). With few
+      calibration tokens this map of every head at once overfits where per-head maps do not; the shrinkage
+      bounds the step away from them, and `run_stages` keeps whichever candidate is best on held-out tokens.
+    """
+    o_proj = module.o_proj
+    intercept = o_proj.bias is not None
+    width = o_proj.in_features + int(intercept)
+    gram = torch.zeros(width, width, dtype=torch.float64)
+    cross = torch.zeros(width, o_proj.out_features, dtype=torch.float64)
+    features, head_targets = [], []
+    for start in range(0, acts.blocks, batch_size):
+        x = acts.inputs[layer][start : start + batch_size]
+        rope = tuple(t.expand(x.shape[0], -1, -1) for t in acts.rope)
+        f = o_proj_input(module, x, rope, acts.mask)
+        features.append(f)
+        head_targets.append(o_proj_input(source_attention, x.to(source_attention.o_proj.weight.dtype), rope, acts.mask))
+        f = f.double()
+        if intercept:
+            f = torch.cat([f, f.new_ones(f.shape[0], 1)], dim=1)
+        gram += f.T @ f
+        cross += f.T @ acts.outputs[layer][start : start + batch_size].reshape(-1, o_proj.out_features).double()
+    per_head = copy.deepcopy(o_proj)
+    heads = module.config.num_attention_heads
+    maps = fit_head_maps(torch.cat(features), torch.cat(head_targets).float(), heads, DEFAULT_RIDGE, intercept)
+    fold_into_o_proj(per_head, maps)
+    prior = per_head.weight.double().T
+    if intercept:
+        prior = torch.cat([prior, per_head.bias.double()[None]], dim=0)
+    lam = ridge * gram.diagonal().mean()
+    solution = torch.linalg.solve(gram + lam * torch.eye(width, dtype=gram.dtype), cross + lam * prior)
+    full = {"weight": solution[: o_proj.in_features].T.to(o_proj.weight.dtype).contiguous()}
+    if intercept:
+        full["bias"] = solution[-1].to(o_proj.bias.dtype)
+    return {"per_head": {k: v.clone() for k, v in per_head.state_dict().items()}, "full": full}
+
+
+def batch_indices(blocks: int, batch_size: int, seed: int, layer: int, step: int) -> torch.Tensor:
+    """The blocks of step `step` of layer `layer`: consecutive slices of a seeded permutation per epoch, so the
+    order is a pure function of its arguments (an exact resume reads what an uninterrupted run reads)."""
+    per_epoch = max(1, blocks // batch_size)
+    epoch, position = divmod(step, per_epoch)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + epoch)
+    order = torch.randperm(blocks, generator=generator)
+    return order[position * batch_size : (position + 1) * batch_size]
+
+
+def normalised_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """||y' - y||^2 / ||y||^2 of a batch (stage (b)'s loss)."""
+    return (output - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saved state: one folder per conversion, every file written whole (temporary name, then os.replace)
+# --------------------------------------------------------------------------------------------------------------
+def _atomic_save(write: Callable[[Path], None], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class StageFiles:
+    """Where stages (a) and (b) keep their results inside a conversion's work folder (None: nothing saved)."""
+
+    def __init__(self, root: Path | None):
+        self.root = root
+        if root is not None:
+            for stage in ("closed_form", "transfer"):
+                (root / stage).mkdir(parents=True, exist_ok=True)
+
+    def layer_file(self, stage: str, layer: int) -> Path | None:
+        return None if self.root is None else self.root / stage / f"layer-{layer:03d}.safetensors"
+
+    def load_layer(self, stage: str, layer: int, module: Any) -> bool:
+        """Load a finished layer of `stage` into `module`; False when there is none."""
+        path = self.layer_file(stage, layer)
+        if path is None or not path.is_file():
+            return False
+        module.load_state_dict(load_file(path), strict=True)
+        return True
+
+    def save_layer(self, stage: str, layer: int, module: Any) -> None:
+        path = self.layer_file(stage, layer)
+        if path is not None:
+            state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+            _atomic_save(lambda p: save_file(state, str(p)), path)
+
+    @property
+    def progress_file(self) -> Path | None:
+        return None if self.root is None else self.root / "transfer" / "in-progress.pt"
+
+    def load_progress(self, layer: int) -> dict[str, Any] | None:
+        path = self.progress_file
+        if path is None or not path.is_file():
+            return None
+        saved = torch.load(path, weights_only=True)
+        return saved if saved["layer"] == layer else None
+
+    def save_progress(self, state: dict[str, Any]) -> None:
+        if self.progress_file is not None:
+            _atomic_save(lambda p: torch.save(state, p), self.progress_file)
+
+    def clear_progress(self) -> None:
+        if self.progress_file is not None and self.progress_file.is_file():
+            self.progress_file.unlink()
+
+    def load_errors(self) -> dict[str, Any]:
+        path = None if self.root is None else self.root / ERRORS_FILE
+        return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+    def save_errors(self, errors: dict[str, Any]) -> None:
+        if self.root is not None:
+            _atomic_save(lambda p: p.write_text(json.dumps(errors, indent=2)), self.root / ERRORS_FILE)
+
+
+class StopAfter(Exception):
+    """Raised by a test hook to simulate a kill in the middle of a stage."""
+
+
+def train_layer(
+    module: Any,
+    acts: Activations,
+    layer: int,
+    settings: TransferSettings,
+    files: StageFiles,
+    bar: Any = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Stage (b) for one layer: Adam on the normalised MSE, resumed from the layer's saved progress if any.
+    Returns the losses of the steps run now. `on_step(layer, step)` is called after each step (a test hook)."""
+    params = [p for p in module.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(params, lr=settings.learning_rate)
+    start = 0
+    saved = files.load_progress(layer)
+    if saved is not None:
+        module.load_state_dict(saved["module"], strict=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+        if bar is not None:
+            bar.update(start)
+    losses = []
+    module.train()
+    for step in range(start, settings.steps):
+        lr = get_lr(step, peak_lr=settings.learning_rate, warmup_steps=settings.warmup_steps, max_steps=settings.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        index = batch_indices(acts.blocks, settings.batch_size, settings.seed, layer, step)
+        loss = normalised_mse(attention_output(module, acts, layer, index), acts.outputs[layer][index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        done = step + 1
+        if settings.save_steps and done % settings.save_steps == 0 and done < settings.steps:
+            files.save_progress(
+                {"layer": layer, "step": done, "module": module.state_dict(), "optimizer": optimizer.state_dict()}
+            )
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(layer=layer, loss=f"{losses[-1]:.4f}")
+        if on_step is not None:
+            on_step(layer, done)
+    module.eval()
+    for p in params:
+        p.requires_grad_(False)
+    return losses
+
+
+def run_stages(
+    source: Any,
+    model: Any,
+    layers: list[int],
+    train_ids: torch.Tensor,
+    validation_ids: torch.Tensor,
+    settings: TransferSettings,
+    work_dir: Path | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+    progress: bool = True,
+    after_stage: Callable[[str], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Stages (a) and (b) on the converted `model`'s attention `layers` (in place), fitted on `train_ids` and
+    measured on `validation_ids` (both (n, T) blocks of the source's tokens). With `work_dir`, every finished layer
+    and stage (b)'s layer in progress are saved there and a rerun continues from them. `after_stage(stage)` is
+    called once each stage's errors are measured (the model then holds that stage's result); what it returns (e.g.
+    the whole model's KL divergence to the source) joins the stage's entry of the record.
+
+    A stage's result for a layer is kept only when it lowers that layer's validation error (else the layer stays as
+    it was, listed under "not_kept"), so no stage makes a layer worse on text it did not fit.
+
+    Returns {"layer_errors": {stage: [error per layer or None]}, "stages": {stage: {tokens, seconds, ...}},
+    "not_kept": {stage: [layers]}}, with stage in `STAGES` for the stages these settings run (a work folder may hold
+    more: a stage-(a)-only rerun of a finished conversion gives the stage-(a) model); layers not in `layers` have
+    None.
+    """
+    files = StageFiles(work_dir)
+    record = files.load_errors() or {"layer_errors": {}, "stages": {}}
+    fitted_on = {k: v for k, v in asdict(settings).items() if k not in ("closed_form", "save_steps")}
+    fitted_on |= {"layers": layers, "train_ids": list(train_ids.shape), "validation_ids": list(validation_ids.shape)}
+    if record.setdefault("settings", fitted_on) != fitted_on:
+        changed = [
+            f"{k}: {record['settings'].get(k)} then, {v} now"
+            for k, v in fitted_on.items()
+            if record["settings"].get(k) != v
+        ]
+        raise ValueError(
+            f"the work folder {work_dir} holds stages fitted with other settings ({'; '.join(changed)}); continue "
+            "with those settings, or use another (or an empty) work folder."
+        )
+    count = len(model.model.layers)
+    errors = record["layer_errors"]
+    attention = [layer.self_attn for layer in model.model.layers]
+    for module in attention:
+        module.float().eval().requires_grad_(False)
+    validation = source_activations(source, validation_ids, settings.batch_size)
+
+    def measure(stage: str) -> None:
+        errors[stage] = [layer_error(attention[i], validation, i) if i in layers else None for i in range(count)]
+        if after_stage is not None:
+            record["stages"].setdefault(stage, {}).update(after_stage(stage))
+        files.save_errors(record)
+
+    def keep_best(stage: str, i: int, candidates: dict[str, dict[str, torch.Tensor]], module: Any) -> None:
+        """Load into `module` the candidate state with the lowest error on the validation tokens (a fit that
+        overfits its calibration text loses to the layer as it was); record the choice; save the layer."""
+        scores = {}
+        for name, state in candidates.items():
+            module.load_state_dict(state, strict=True)
+            scores[name] = layer_error(attention[i], validation, i)
+        best = min(scores, key=lambda name: (scores[name], name != "unchanged"))
+        module.load_state_dict(candidates[best], strict=True)
+        record.setdefault("choices", {}).setdefault(stage, {})[str(i)] = best
+        if best == "unchanged":
+            record.setdefault("not_kept", {}).setdefault(stage, []).append(i)
+        files.save_errors(record)
+        files.save_layer(stage, i, attention[i])
+
+    if "init" not in errors:
+        measure("init")
+    need_train = (settings.closed_form and "closed_form" not in errors) or (
+        settings.steps > 0 and "transfer" not in errors
+    )
+    train = source_activations(source, train_ids, settings.batch_size) if need_train else None
+
+    if settings.closed_form:
+        started = time.perf_counter()
+        for i in tqdm(layers, desc="closed form", disable=not progress, leave=False):
+            if not files.load_layer("closed_form", i, attention[i]):
+                fits = closed_form_fits(attention[i], source.model.layers[i].self_attn, train, i, settings.ridge)
+                keep_best("closed_form", i, {"unchanged": _copy_state(attention[i].o_proj)} | fits, attention[i].o_proj)
+        if "closed_form" not in errors:
+            record["stages"]["closed_form"] = {
+                "calibration_tokens": int(train.tokens),
+                "ridge": settings.ridge,
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+            measure("closed_form")
+
+    if settings.steps > 0:
+        started = time.perf_counter()
+        bar = tqdm(total=len(layers) * settings.steps, desc="attention transfer", disable=not progress)
+        final_losses = record["stages"].get("transfer", {}).get("final_loss", {})
+        for i in layers:
+            if files.load_layer("transfer", i, attention[i]):
+                bar.update(settings.steps)
+                continue
+            before = _copy_state(attention[i])
+            losses = train_layer(attention[i], train, i, settings, files, bar, on_step)
+            keep_best("transfer", i, {"unchanged": before, "trained": _copy_state(attention[i])}, attention[i])
+            files.clear_progress()
+            if losses:
+                final_losses[str(i)] = losses[-1]
+        bar.close()
+        if "transfer" not in errors:
+            tokens = settings.steps * settings.batch_size * train.inputs[0].shape[1]
+            record["stages"]["transfer"] = asdict(settings) | {
+                "calibration_tokens": int(train.tokens),
+                "tokens_per_layer": tokens,
+                "seconds": round(time.perf_counter() - started, 2),
+                "final_loss": final_losses,
+            }
+            measure("transfer")
+    run = [stage for stage, on in zip(STAGES, (True, settings.closed_form, settings.steps > 0)) if on]
+    return record | {
+        "layer_errors": {stage: errors[stage] for stage in run},
+        "stages": {s: record["stages"][s] for s in run if s in record["stages"]},
+    }
+
+
+def _copy_state(module: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
