@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 import string
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -240,11 +242,13 @@ def test_bad_request_gets_an_http_error_with_a_message_and_the_server_keeps_serv
 
 
 def test_body_that_is_no_json_object_is_a_422_with_a_message(server):
-    import httpx
-
-    answer = httpx.post(f"{server[1]}/v1/chat/completions", json=[1, 2], timeout=REQUEST_SECONDS)
-    assert answer.status_code == 422
-    assert "send a JSON object" in answer.json()["error"]["message"]
+    request = urllib.request.Request(
+        f"{server[1]}/v1/chat/completions", data=b"[1, 2]", headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:  # the standard library: no HTTP client package assumed
+        urllib.request.urlopen(request, timeout=REQUEST_SECONDS)
+    assert caught.value.code == 422
+    assert "send a JSON object" in json.loads(caught.value.read())["error"]["message"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
