@@ -4,7 +4,9 @@ The README's test command runs the suite on 2 pytest-xdist workers: most of its 
 torch and transformers and tiny single-threaded models, so two workers of one thread each use both cores.
 """
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,3 +24,13 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, tor
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A few stdlib modules as jsonl: the text of a tiny BPE tokenizer, of calibration and of short training runs."""
+    root = Path(json.__file__).parent.parent
+    docs = [(root / name).read_text() for name in ("bisect.py", "colorsys.py", "heapq.py", "shlex.py", "textwrap.py")]
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path

@@ -58,16 +58,6 @@ def o_proj_output(model, layer: int, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A few stdlib modules as jsonl: the text of the BPE tokenizer, calibration and --init_from training."""
-    root = Path(json.__file__).parent.parent
-    docs = [(root / name).read_text() for name in ("bisect.py", "colorsys.py", "heapq.py", "shlex.py", "textwrap.py")]
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
-
-
-@pytest.fixture(scope="module")
 def source_dir(corpus, tmp_path_factory) -> Path:
     """A saved tiny GQA Llama with its own (BPE) tokenizer, as a user's checkpoint directory."""
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]

@@ -56,15 +56,6 @@ def mean_kl(teacher, student, ids: torch.Tensor) -> float:
 # Distillation: qkvshare train --teacher
 # --------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = Path(json.__file__).parent.parent
-    docs = [(root / name).read_text() for name in ("bisect.py", "colorsys.py", "heapq.py", "shlex.py", "textwrap.py")]
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
-
-
-@pytest.fixture(scope="module")
 def source_dir(corpus, tmp_path_factory) -> Path:
     """A saved tiny GQA Llama with its own BPE tokenizer."""
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
