@@ -162,6 +162,18 @@ def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{field}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}.")
 
 
+def llama_config_dict(config: Mapping[str, Any], where: str = "the config") -> dict[str, Any]:
+    """A Llama-architecture config.json dict (`LLAMA_ARCHITECTURES`, checked by the caller) read through transformers'
+    config class of its model_type: the fields the file leaves out get that class's defaults (32 attention heads for
+    Llama), as the model `from_pretrained` builds gets them. A `ValueError` naming ``where`` when the class refuses it.
+    """
+    try:
+        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
+    except Exception as err:  # its validators raise huggingface_hub's StrictDataclassError, ZeroDivisionError, ...
+        reason = " ".join(str(err).split())
+        raise ValueError(f"{where} is not a valid {config['model_type']} config: {reason}") from None
+
+
 def _base_value(base: Any, name: str) -> Any:
     return base.get(name) if isinstance(base, Mapping) else getattr(base, name, None)
 
@@ -899,7 +911,7 @@ class QKVShareConfig(PreTrainedConfig):
             rope = dict(d.get("rope_scaling") or {}, rope_theta=d.get("rope_theta", 10000.0))
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
         if not hasattr(config_or_dict, "to_dict"):  # a config.json: fields it leaves out take transformers' defaults
-            d = CONFIG_MAPPING[model_type](**{k: v for k, v in d.items() if k != "model_type"}).to_dict()
+            d = llama_config_dict(d)
         heads = d["num_attention_heads"]
         fields = dict(
             ARCHITECTURE_STYLES["llama"],

@@ -15,13 +15,17 @@ Design notes
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import CONFIG_MAPPING
-
-from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, SHARING_MODES, QKVShareConfig, resolve_variant
+from qkvshare.configuration_qkvshare import (
+    LLAMA_ARCHITECTURES,
+    SHARING_MODES,
+    QKVShareConfig,
+    llama_config_dict,
+    resolve_variant,
+)
 from qkvshare.evaluation.common import read_config_json
 from qkvshare_cli.conventions import check_shape_source
 from qkvshare_cli.overrides import parse_overrides as parse_override_items
@@ -55,18 +59,6 @@ def config_from_model_dir(model_dir: str | Path) -> QKVShareConfig:
         f"{model_dir!s}: model_type={model_type!r} is not supported; expected 'qkvshare' or a Llama-architecture "
         f"model ({', '.join(map(repr, LLAMA_ARCHITECTURES))})."
     )
-
-
-def llama_config_dict(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A Llama-architecture config.json dict (`LLAMA_ARCHITECTURES`, checked by the caller) read through transformers'
-    config class of its model_type: the fields the file leaves out get that class's defaults (32 attention heads for
-    Llama), as the model `from_pretrained` builds gets them. A `ValueError` naming ``where`` when the class refuses it.
-    """
-    try:
-        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
-    except Exception as err:  # its validators raise huggingface_hub's StrictDataclassError, ZeroDivisionError, ...
-        reason = " ".join(str(err).split())
-        raise ValueError(f"{where} is not a valid {config['model_type']} config: {reason}") from None
 
 
 def base_config(preset: str | None = None, model_dir: str | None = None, overrides: dict[str, Any] | None = None):

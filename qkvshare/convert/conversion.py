@@ -12,8 +12,7 @@ import torch
 import transformers
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.analysis.common import llama_config_dict
-from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
+from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, llama_config_dict
 from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (

@@ -23,8 +23,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from qkvshare import QKVShareForCausalLM
-from qkvshare.analysis.common import llama_config_dict
 from qkvshare.analysis.conventions import torch_dtype
+from qkvshare.configuration_qkvshare import llama_config_dict
 from qkvshare.convert.conversion import ConversionRecord, check_architecture
 from qkvshare.evaluation.common import read_config_json, weight_files
 from qkvshare.model_dir import check_weights_fit_config
