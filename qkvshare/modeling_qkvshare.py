@@ -544,8 +544,8 @@ class QKVShareModel(QKVSharePreTrainedModel):
         whose shape does not fit (2D: (batch, cached + new tokens); 4D: (batch or 1, heads or 1, new tokens, keys)).
         """
         types = self.cache_layout.present_attention_types
-        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache, self.embed_tokens is not None, types)
         store = cache_for_model(cache, self.config, self.cache_layout, kwargs)  # what the layers write through
+        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache, self.embed_tokens is not None, types)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:

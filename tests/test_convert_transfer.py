@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from test_convert import HEAD_DIM, HEADS, VOCAB
+from test_convert import llama as tiny_llama
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from qkvshare import QKVShareCache
 from qkvshare.convert import convert, save_converted
@@ -20,24 +22,11 @@ from qkvshare.convert.transfer import StopAfter, TransferSettings, run_stages
 from qkvshare.train.pretrain import main as train_main
 from qkvshare.train.tokenizer import train_bpe_tokenizer
 
-VOCAB, HEADS, HEAD_DIM = 384, 4, 16
-
 
 def llama(kv_heads: int = 2, seed: int = 0, layers: int = 2, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HEADS * HEAD_DIM,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,  # sharper next-token distributions than the default 0.02: KL and errors that show
-        **overrides,
-    )
-    return LlamaForCausalLM(config).eval()
+    """test_convert's tiny Llama, GQA-2 and with sharper next-token distributions than the default init (0.02):
+    KL and errors that show."""
+    return tiny_llama(kv_heads, seed, layers, **{"initializer_range": 0.1, **overrides})
 
 
 def blocks(n: int, length: int = 32, seed: int = 1) -> torch.Tensor:
