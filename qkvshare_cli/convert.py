@@ -55,7 +55,8 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     layer's attention-block output. (b) attention transfer (LoLCATs, ICLR 2025): each converted layer, fed the
     SOURCE's hidden states, trains its attention weights (q_proj, the shared k_proj, v_proj where it exists,
     o_proj) with Adam to match the source layer's output (normalised MSE): `--transfer_steps` steps of
-    `--transfer_batch_size` blocks per layer; the layers are independent, one source forward serves all. (c)
+    `--transfer_batch_size` blocks per layer, each layer keeping its state that is best on the validation split
+    (measured every `--transfer_eval_steps` steps); the layers are independent, one source forward serves all. (c)
     distillation of the whole model against the source's logits (KL at `--distill_temperature`, mixed with the LM
     loss by `--distill_lm_weight`) for `--distill_tokens` tokens, through `qkvshare train --teacher`. Stages (a)
     and (b) fit the calibration text's train split; each layer keeps a stage's result only if it lowers the
@@ -116,6 +117,7 @@ TRANSFER_DEFAULTS = {
     "transfer_steps": 100,  # x 30 layers x 2 blocks of 512: about 35 minutes for SmolLM2-135M on 2 CPU cores
     "transfer_batch_size": 2,
     "transfer_learning_rate": 1e-3,
+    "transfer_eval_steps": 25,
     "distill_tokens": 0,
     "distill_batch_size": 4,
     "distill_learning_rate": 3e-5,
@@ -184,6 +186,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--transfer_batch_size", type=int, default=t["transfer_batch_size"], help="stage (b) blocks/step")
     p.add_argument("--transfer_learning_rate", type=float, default=t["transfer_learning_rate"], help="stage (b) peak")
+    p.add_argument(
+        "--transfer_eval_steps",
+        type=int,
+        default=t["transfer_eval_steps"],
+        help="stage (b) keeps each layer's best state on the validation tokens, measured every this many steps",
+    )
     p.add_argument("--distill_tokens", type=int, default=t["distill_tokens"], help="stage (c) tokens (0: no stage c)")
     p.add_argument("--distill_batch_size", type=int, default=t["distill_batch_size"], help="stage (c) blocks per step")
     p.add_argument("--distill_learning_rate", type=float, default=t["distill_learning_rate"], help="stage (c) peak")
@@ -237,7 +245,7 @@ def check_transfer_args(args: argparse.Namespace) -> None:
     for name in ("validation_tokens", "transfer_batch_size", "distill_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)} must be at least 1.")
-    for name in ("transfer_steps", "distill_tokens"):
+    for name in ("transfer_steps", "transfer_eval_steps", "distill_tokens"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} {getattr(args, name)} must be >= 0 (0 skips the stage).")
     for name in ("transfer_learning_rate", "distill_learning_rate", "distill_temperature"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,19 @@ def test_transferred_model_decodes_exactly_with_the_tied_cache():
     assert torch.equal(sequence, out.sequences)
 
 
+def test_stage_b_keeps_each_layers_best_state_on_the_validation_tokens():
+    """Early stopping: measured every 5 steps, a layer keeps its best state, never one worse than its last."""
+    source = llama(2)
+    best, last = (transferred(source, "Q-K=V", settings=replace(SETTINGS, eval_steps=every))[1] for every in (5, 0))
+    kept, final = best["layer_errors"]["transfer"], last["layer_errors"]["transfer"]
+    assert all(a <= b for a, b in zip(kept, final)), (kept, final)
+    steps = best["stages"]["transfer"]["best_step"]
+    assert set(steps) == {"0", "1"} and all(step % 5 == 0 and 0 < step <= 40 for step in steps.values())
+    assert last["stages"]["transfer"]["best_step"] == {"0": 40, "1": 40}
+    earlier = [int(layer) for layer, step in steps.items() if step < 40]
+    assert earlier and all(kept[layer] < final[layer] for layer in earlier), (steps, kept, final)
+
+
 @pytest.mark.parametrize("kill_at", [(0, 7), (1, 15), (1, 38)])
 def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_path):
     """Killed inside stage (b) (between saves, on a save, near the end), then rerun on the same work folder."""
@@ -178,6 +192,7 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert record["layer_errors"] == reference_record["layer_errors"]
+    assert record["stages"]["transfer"]["best_step"] == reference_record["stages"]["transfer"]["best_step"]
     assert not (tmp_path / "transfer" / "in-progress.pt").exists()
 
 

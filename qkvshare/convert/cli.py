@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> ConversionRecord:
 
 # dataclass field <- command flag, for each stage's settings
 TRANSFER_FLAGS = {"ridge": "ridge", "steps": "transfer_steps", "batch_size": "transfer_batch_size", "seed": "seed"}
-TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate"}
+TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate", "eval_steps": "transfer_eval_steps"}
 DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_rate", "temperature", "lm_weight")}
 DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
 

@@ -22,8 +22,10 @@ Stages (each resumable from a work folder; the errors before and after each go t
 - (b) attention transfer (LoLCATs, Zhang et al., ICLR 2025, section 3.1 "attention transfer"): each converted
   layer's attention weights (q_proj, the shared k_proj, v_proj where it exists, o_proj, biases) trained with Adam
   to minimise the normalised MSE ||y' - y||^2 / ||y||^2 between its output and the source layer's, on the
-  source's hidden states; the trained layer is kept only if it is better on the validation tokens. Training the shared projection is the only way to carry value information outside the
-  key's subspace. The batch of step s of layer l is a pure function of (seed, l, s) and the learning rate of s,
+  source's hidden states. Every `eval_steps` steps the layer's error on the validation tokens is measured and the
+  best state so far is kept (early stopping: with a few tens of thousands of calibration tokens, the later epochs
+  fit the calibration text, not the layer), and the trained layer replaces the layer as it was only if it is better
+  there. Training the shared projection is the only way to carry value information outside the key's subspace. The batch of step s of layer l is a pure function of (seed, l, s) and the learning rate of s,
   so a run resumed from a saved step reproduces the uninterrupted one exactly.
 - (c) end-to-end distillation against the source's logits: `qkvshare train --teacher` (the same loop, resume,
   checkpoints and DDP), run by the command line on the converted model (`qkvshare.convert.cli`).
@@ -68,6 +70,7 @@ class TransferSettings:
     learning_rate: float = 1e-3  # peak, cosine down to a tenth after `warmup_steps`
     warmup_steps: int = 10
     save_steps: int = 50  # stage (b) saves the layer in progress every this many steps
+    eval_steps: int = 25  # stage (b) measures the layer's validation error every this many steps, keeps the best
     seed: int = 0
 
 
@@ -306,29 +309,51 @@ class StopAfter(Exception):
     """Raised by a test hook to simulate a kill in the middle of a stage."""
 
 
+@dataclass
+class LayerRun:
+    """What stage (b) did for one layer: the losses of the steps run now, and the step whose state it kept."""
+
+    losses: list[float]
+    best_step: int
+    best_error: float
+
+
 def train_layer(
     module: Any,
     acts: Activations,
     layer: int,
     settings: TransferSettings,
     files: StageFiles,
+    validation: Activations | None = None,
     bar: Any = None,
     on_step: Callable[[int, int], None] | None = None,
-) -> list[float]:
-    """Stage (b) for one layer: Adam on the normalised MSE, resumed from the layer's saved progress if any.
-    Returns the losses of the steps run now. `on_step(layer, step)` is called after each step (a test hook)."""
+) -> LayerRun:
+    """Stage (b) for one layer: Adam on the normalised MSE, resumed from the layer's saved progress if any. With
+    `validation`, the layer's error there is measured every `settings.eval_steps` steps and after the last, and the
+    module ends holding the best of those states. `on_step(layer, step)` is called after each step (a test hook)."""
     params = [p for p in module.parameters()]
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(params, lr=settings.learning_rate)
-    start = 0
+    start, best = 0, {"step": 0, "error": math.inf, "state": None}
     saved = files.load_progress(layer)
     if saved is not None:
         module.load_state_dict(saved["module"], strict=True)
         optimizer.load_state_dict(saved["optimizer"])
         start = saved["step"]
+        best = {"step": saved["best_step"], "error": saved["best_error"], "state": saved["best_state"] or None}
         if bar is not None:
             bar.update(start)
+
+    def checkpoint(done: int) -> None:
+        if validation is None:
+            return
+        module.eval()
+        error = layer_error(module, validation, layer)
+        module.train()
+        if error < best["error"]:
+            best.update(step=done, error=error, state=_copy_state(module))
+
     losses = []
     module.train()
     for step in range(start, settings.steps):
@@ -342,19 +367,31 @@ def train_layer(
         optimizer.step()
         losses.append(float(loss.detach()))
         done = step + 1
+        if (settings.eval_steps and done % settings.eval_steps == 0) or done == settings.steps:
+            checkpoint(done)
         if settings.save_steps and done % settings.save_steps == 0 and done < settings.steps:
             files.save_progress(
-                {"layer": layer, "step": done, "module": module.state_dict(), "optimizer": optimizer.state_dict()}
+                {
+                    "layer": layer,
+                    "step": done,
+                    "module": module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "best_step": best["step"],
+                    "best_error": best["error"],
+                    "best_state": best["state"] or {},
+                }
             )
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(layer=layer, loss=f"{losses[-1]:.4f}")
+            bar.set_postfix(layer=layer, loss=f"{losses[-1]:.4f}", best=f"{best['error']:.4f}@{best['step']}")
         if on_step is not None:
             on_step(layer, done)
     module.eval()
     for p in params:
         p.requires_grad_(False)
-    return losses
+    if best["state"] is not None:
+        module.load_state_dict(best["state"], strict=True)
+    return LayerRun(losses, best["step"] if best["state"] is not None else settings.steps, best["error"])
 
 
 def run_stages(
@@ -449,17 +486,21 @@ def run_stages(
     if settings.steps > 0:
         started = time.perf_counter()
         bar = tqdm(total=len(layers) * settings.steps, desc="attention transfer", disable=not progress)
-        final_losses = record["stages"].get("transfer", {}).get("final_loss", {})
+        in_record = record["stages"].get("transfer") or record["stages"].get("transfer_progress", {})
+        final_losses, best_steps = in_record.get("final_loss", {}), in_record.get("best_step", {})
         for i in layers:
             if files.load_layer("transfer", i, attention[i]):
                 bar.update(settings.steps)
                 continue
             before = _copy_state(attention[i])
-            losses = train_layer(attention[i], train, i, settings, files, bar, on_step)
+            run = train_layer(attention[i], train, i, settings, files, validation, bar, on_step)
             keep_best("transfer", i, {"unchanged": before, "trained": _copy_state(attention[i])}, attention[i])
             files.clear_progress()
-            if losses:
-                final_losses[str(i)] = losses[-1]
+            if run.losses:
+                final_losses[str(i)] = run.losses[-1]
+            best_steps[str(i)] = run.best_step
+            record["stages"].setdefault("transfer_progress", {}).update(final_loss=final_losses, best_step=best_steps)
+            files.save_errors(record)
         bar.close()
         if "transfer" not in errors:
             tokens = settings.steps * settings.batch_size * train.inputs[0].shape[1]
@@ -468,7 +509,9 @@ def run_stages(
                 "tokens_per_layer": tokens,
                 "seconds": round(time.perf_counter() - started, 2),
                 "final_loss": final_losses,
+                "best_step": best_steps,
             }
+            record["stages"].pop("transfer_progress", None)
             measure("transfer")
     run = [stage for stage, on in zip(STAGES, (True, settings.closed_form, settings.steps > 0)) if on]
     return record | {
