@@ -43,7 +43,7 @@ from convert_smollm2 import fetch_source, perplexity, plain_source_dir  # noqa: 
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
-ROWS = ("source", "calibrated", "transfer-a", "transfer-b", "budgets", "transfer-c", "mqa-a", "mqa-b")
+ROWS = ("source", "calibrated", "transfer-a", "transfer-b", "budgets", "transfer-c", "budgets-c", "mqa-a", "mqa-b")
 FIXTURES = REPO / "qkvshare" / "evaluation" / "fixtures"
 
 
@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transfer_batch_size", type=int, default=2)
     p.add_argument("--distill_tokens", type=int, default=262144)
     p.add_argument("--budgets", nargs="*", type=float, default=[0.9, 0.75, 0.6])
+    p.add_argument("--distill_budgets", nargs="*", type=float, default=[0.75], help="budgets of the budgets-c rows")
     p.add_argument("--eval_blocks", type=int, default=4, help="held-out blocks of 512 tokens per domain")
     p.add_argument("--lm_eval", nargs="*", default=None, help="rows to score on the lm-eval 5-shot fixtures")
     return p.parse_args()
@@ -173,25 +174,26 @@ def main() -> None:
                 started = time.perf_counter()
                 mixed, choice = budget_model(source, model, record.layer_errors["transfer"], budget, "Q-K=V", None, {})
                 measure(f"budget-{budget}", mixed, started, tied_layers=choice.tied_layers, budget=budget)
-    if "transfer-c" in args.rows and "transfer-c" not in results.rows:
-        model, record, _ = transfer("Q-K=V", args.transfer_steps, f"work-qkv-{b}")
-        stage_model = Path(save_model(model, record, "transfer-b"))
+
+    def distilled(label: str, stage_label: str, work: Path, cache_budget=None) -> None:
+        """Row `label`: the (a)+(b) model (under `cache_budget`) saved as `stage_label`, distilled in `work`."""
+        from qkvshare import QKVShareForCausalLM
+
+        model, record, _ = transfer("Q-K=V", args.transfer_steps, f"work-qkv-{b}", cache_budget)
+        stage_model = Path(save_model(model, record, stage_label))
         started = time.perf_counter()
         texts = calibration_texts(None, 0, "train")[0]
         held = calibration_texts(None, 0, "validation")[0]
-        folder, metrics = run_distillation(
-            stage_model,
-            str(source_dir),
-            texts,
-            held,
-            tokenizer,
-            out / f"work-qkv-{b}",
-            DistillSettings(tokens=args.distill_tokens, block_size=512),
-        )
-        from qkvshare import QKVShareForCausalLM
+        settings = DistillSettings(tokens=args.distill_tokens, block_size=512)
+        folder, metrics = run_distillation(stage_model, str(source_dir), texts, held, tokenizer, work, settings)
+        model = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        measure(label, model, started, model_dir=str(folder), tokens=metrics["tokens_seen"], budget=cache_budget)
 
-        distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        measure("transfer-c", distilled, started, model_dir=str(folder), tokens=metrics["tokens_seen"])
+    if "transfer-c" in args.rows and "transfer-c" not in results.rows:
+        distilled("transfer-c", "transfer-b", out / f"work-qkv-{b}")
+    for budget in args.distill_budgets if "budgets-c" in args.rows else ():
+        if f"budget-{budget}-c" not in results.rows:
+            distilled(f"budget-{budget}-c", f"budget-{budget}", out / f"work-qkv-{b}-budget-{budget}", budget)
     if args.lm_eval:
         run_lm_eval(results, out, args.lm_eval)
     write_report(results, out, source_bytes)
@@ -230,43 +232,61 @@ def write_report(results: Results, out: Path, source_bytes: int) -> None:
         ]
         table.append(cells)
     text = markdown_table(headers, table) + "\n"
-    curve = sorted(
-        (
-            (row["kv_bytes_per_token"] / source_bytes, label, row)
-            for label, row in rows.items()
-            if label.startswith(("budget", "transfer-b", "source", "mqa-b"))
-        ),
-        key=lambda item: -item[0],
-    )
-    text += "\nPareto (held-out perplexity against the fraction of the source's KV bytes):\n\n"
+    series = pareto_series(rows)
+    text += "\nPareto (held-out perplexity against the fraction of the source's KV bytes; x = ratio to the source):\n\n"
     text += markdown_table(
-        ["row", "KV fraction", "ppl code", "ppl prose"], [[name, f, r["code"], r["prose"]] for f, name, r in curve]
+        ["series", "row", "KV bytes/token", "KV fraction", "ppl code", "x", "ppl prose", "x"],
+        [
+            [name, label, r["kv_bytes_per_token"], r["kv_bytes_per_token"] / source_bytes, r["code"]]
+            + [r["code"] / source.get("code", math.nan), r["prose"], r["prose"] / source.get("prose", math.nan)]
+            for name, points in series.items()
+            for label, r in points
+        ],
     )
     (out / "results.md").write_text(text)
     print(text, flush=True)
-    if curve:
-        import matplotlib
+    if any(len(points) > 1 for points in series.values()):
+        plot_pareto(series, out / "pareto.png")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        figure, axis = plt.subplots(figsize=(6, 4))
-        for kind, marker in (("code", "o"), ("prose", "s")):
-            axis.plot(
-                [row["kv_bytes_per_token"] for _, _, row in curve],
-                [row[kind] for _, _, row in curve],
-                marker=marker,
-                label=f"held-out {kind}",
-            )
-        for _, label, row in curve:
-            axis.annotate(label, (row["kv_bytes_per_token"], row["code"]), fontsize=7)
-        axis.set_xlabel("KV-cache bytes per token (16-bit)")
-        axis.set_ylabel("perplexity")
-        axis.set_yscale("log")
-        axis.set_title("SmolLM2-135M-Instruct, convert --method transfer")
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(out / "pareto.png", dpi=120)
+def pareto_series(rows: dict) -> dict[str, list]:
+    """The Pareto curve's series, each [(label, row)] from the most cache to the least: stage (b)'s layers under each
+    cache budget, the same distilled (stage c), and Q-MQA; the source starts the first two."""
+
+    def picked(keep) -> list:
+        points = [(label, row) for label, row in rows.items() if label == "source" or keep(label)]
+        return sorted(points, key=lambda item: -item[1]["kv_bytes_per_token"])
+
+    series = {
+        "(a)+(b)": picked(lambda label: label == "transfer-b" or (label.startswith("budget") and "-c" not in label)),
+        "(a)+(b)+(c)": picked(lambda label: label == "transfer-c" or (label.startswith("budget") and "-c" in label)),
+        "Q-MQA (a)+(b)": [(label, row) for label, row in rows.items() if label == "mqa-b"],
+    }
+    return {name: points for name, points in series.items() if points and points != picked(lambda label: False)}
+
+
+def plot_pareto(series: dict[str, list], path: Path) -> None:
+    """Perplexity against KV bytes per token: one line per series and held-out domain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for (name, points), color in zip(series.items(), ("tab:blue", "tab:green", "tab:red")):
+        for kind, style in (("code", "-o"), ("prose", "--s")):
+            xs = [row["kv_bytes_per_token"] for _, row in points]
+            axis.plot(xs, [row[kind] for _, row in points], style, color=color, label=f"{name}, {kind}", markersize=4)
+        for label, row in points:
+            if label != "source":
+                axis.annotate(label, (row["kv_bytes_per_token"], row["code"]), fontsize=6, color=color)
+    axis.set_xlabel("KV-cache bytes per token (16-bit)")
+    axis.set_ylabel("held-out perplexity")
+    axis.set_yscale("log")
+    axis.set_title("SmolLM2-135M-Instruct -> Q-K=V, convert --method transfer")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
