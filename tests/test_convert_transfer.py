@@ -353,6 +353,25 @@ def test_cli_transfer_bad_input_is_refused_before_any_work(source_dir, corpus, t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
+    source_dir, corpus, tmp_path, capsys, monkeypatch
+):
+    import qkvshare_cli
+    from qkvshare.convert import transfer
+
+    # this source: 2 layers x hidden 64 x 8 bytes = 1,024 bytes a token, x (1,024 + 128) tokens = 1.1 MiB
+    monkeypatch.setattr(transfer, "available_memory", lambda: 100_000)
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert "hold the source's attention inputs and outputs of every layer in float32" in err, err
+    assert (
+        "(2 layers x hidden 64 x 8 bytes a token)" in err
+       
+        and "Lower --calibration_tokens" in err
+    ), err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
 def test_budget_ties_the_lowest_error_layers_until_the_bytes_fit():
     from qkvshare import QKVShareConfig
     from qkvshare.convert.budget import check_cache_budget, choose_tied_layers

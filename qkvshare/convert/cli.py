@@ -20,7 +20,13 @@ from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import DistillSettings, run_distillation
-from qkvshare.convert.transfer import TransferSettings, kl_to_source, measure_layer_errors, source_log_probs
+from qkvshare.convert.transfer import (
+    TransferSettings,
+    check_activation_memory,
+    kl_to_source,
+    measure_layer_errors,
+    source_log_probs,
+)
 from qkvshare_cli import main as cli_main
 from qkvshare_cli.conventions import report_bad_input
 from qkvshare_cli.convert import RECORD_FILE, TRANSFER_DEFAULTS
@@ -52,6 +58,8 @@ def run(args: argparse.Namespace) -> ConversionRecord:
         held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
         validation = calibration_ids(tokenizer, held_out, args.validation_tokens, block)
         check_calibration_ids(validation, config, "the validation split of the calibration text")
+    if method == "transfer":
+        check_activation_memory(config, ids.numel(), validation.numel())
     out = Path(args.output_dir)
     work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
     source = files.load_source(args.source)

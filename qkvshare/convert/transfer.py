@@ -123,11 +123,47 @@ def source_activations(source: Any, ids: torch.Tensor, batch_size: int = 4) -> A
             handle.remove()
     cos, sin = (t[:1].float() for t in rope[0])
     return Activations(
-        [torch.cat(x) for x in inputs],
-        [torch.cat(y) for y in outputs],
-        (cos, sin),
-        causal_mask(ids.shape[1], torch.float32),
+        _concatenate(inputs), _concatenate(outputs), (cos, sin), causal_mask(ids.shape[1], torch.float32)
     )
+
+
+def _concatenate(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each layer's chunks as one tensor, freeing them layer by layer (the peak is the whole plus one layer)."""
+    out = []
+    for i in range(len(chunks)):
+        out.append(torch.cat(chunks[i]))
+        chunks[i] = []
+    return out
+
+
+def activation_bytes(config: Any, tokens: int) -> int:
+    """Bytes `source_activations` holds for `tokens` tokens: every layer's attention input and output, float32."""
+    return tokens * config.num_hidden_layers * config.hidden_size * 2 * 4
+
+
+def available_memory() -> int | None:
+    """The memory the system can give this process now (Linux's MemAvailable), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_activation_memory(config: Any, calibration_tokens: int, validation_tokens: int) -> None:
+    """A `ValueError` before any work when stages (a)/(b)'s stored activations would not fit in memory."""
+    need = activation_bytes(config, calibration_tokens + validation_tokens)
+    free = available_memory()
+    if free is not None and need > 0.8 * free:
+        raise ValueError(
+            f"--calibration_tokens {calibration_tokens} and --validation_tokens {validation_tokens} make the transfer "
+            f"stages hold the source's attention inputs and outputs of every layer in float32: {need / 2**30:.1f} GiB "
+            f"for this model ({config.num_hidden_layers} layers x hidden {config.hidden_size} x 8 bytes a token), "
+            f"more than 80% of the {free / 2**30:.1f} GiB of memory available now. Lower --calibration_tokens (at most "
+            f"about {max(0, int(0.8 * free / activation_bytes(config, 1)) - validation_tokens)} here) or free memory."
+        )
 
 
 def attention_output(module: Any, acts: Activations, layer: int, index: Any = slice(None)) -> torch.Tensor:
