@@ -95,6 +95,7 @@ def run_distillation(
     metrics_file = out / "final_metrics.json"
     if metrics_file.is_file():  # finished by an earlier run of this conversion
         return out, json.loads(metrics_file.read_text())
+    work.mkdir(parents=True, exist_ok=True)
     train_file, validation_file = work / "distill-train.jsonl", work / "distill-validation.jsonl"
     if not train_file.is_file():
         write_text_file(train_file, train_texts, tokenizer, settings.tokens)
