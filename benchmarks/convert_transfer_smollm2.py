@@ -17,7 +17,8 @@ time are recorded):
 - `transfer-a`: Q-K=V after stage (a), the closed-form o_proj; `transfer-b`: after stages (a)+(b), every layer
   tied; `budgets`: the (a)+(b) model under each of `--budgets` (layers chosen by their stage-(b) errors, the others
   exact copies of the source); `transfer-c`: (a)+(b)+(c), distilled for `--distill_tokens`;
-- `mqa-a`, `mqa-b`: Q-MQA (one key/value head, SmolLM2's 3 pooled; the paper's Q-GQA-1) after (a) and (a)+(b).
+- `mqa-a`, `mqa-b`, `mqa-c`: Q-MQA (one key/value head, SmolLM2's 3 pooled; the paper's Q-GQA-1) after (a),
+  (a)+(b) and (a)+(b)+(c) (`--mqa_distill_tokens`).
 `--lm_eval ROW ...` adds the lm-eval 5-shot fixtures (`qkvshare eval --data_dir qkvshare/evaluation/fixtures`) for
 those rows (each has a saved model directory; the budgets do not). The Pareto figure and table (perplexity against KV bytes per token) are
 written from whatever rows exist.
@@ -44,6 +45,7 @@ from convert_smollm2 import fetch_source, perplexity, plain_source_dir  # noqa: 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
 ROWS = ("source", "calibrated", "transfer-a", "transfer-b", "budgets", "transfer-c", "budgets-c", "mqa-a", "mqa-b")
+ROWS += ("mqa-c",)
 FIXTURES = REPO / "qkvshare" / "evaluation" / "fixtures"
 
 
@@ -58,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transfer_batch_size", type=int, default=2)
     p.add_argument("--distill_tokens", type=int, default=262144)
     p.add_argument("--budgets", nargs="*", type=float, default=[0.9, 0.75, 0.6])
+    p.add_argument("--mqa_distill_tokens", type=int, default=None, help="mqa-c's budget (default --distill_tokens)")
     p.add_argument("--distill_budgets", nargs="*", type=float, default=[0.75], help="budgets of the budgets-c rows")
     p.add_argument("--eval_blocks", type=int, default=4, help="held-out blocks of 512 tokens per domain")
     p.add_argument("--lm_eval", nargs="*", default=None, help="rows to score on the lm-eval 5-shot fixtures")
@@ -175,25 +178,29 @@ def main() -> None:
                 mixed, choice = budget_model(source, model, record.layer_errors["transfer"], budget, "Q-K=V", None, {})
                 measure(f"budget-{budget}", mixed, started, tied_layers=choice.tied_layers, budget=budget)
 
-    def distilled(label: str, stage_label: str, work: Path, cache_budget=None) -> None:
-        """Row `label`: the (a)+(b) model (under `cache_budget`) saved as `stage_label`, distilled in `work`."""
+    def distilled(label: str, stage_label: str, work: str, variant: str = "Q-K=V", budget=None, tokens=None) -> None:
+        """Row `label`: `variant`'s (a)+(b) model (under cache `budget`) saved as `stage_label`, distilled in
+        OUT/`work`/distill for `tokens` tokens (default --distill_tokens)."""
         from qkvshare import QKVShareForCausalLM
 
-        model, record, _ = transfer("Q-K=V", args.transfer_steps, f"work-qkv-{b}", cache_budget)
+        stages = f"work-{'mqa' if variant == 'Q-MQA' else 'qkv'}-{b}"
+        model, record, _ = transfer(variant, args.transfer_steps, stages, budget)
         stage_model = Path(save_model(model, record, stage_label))
         started = time.perf_counter()
         texts = calibration_texts(None, 0, "train")[0]
         held = calibration_texts(None, 0, "validation")[0]
-        settings = DistillSettings(tokens=args.distill_tokens, block_size=512)
-        folder, metrics = run_distillation(stage_model, str(source_dir), texts, held, tokenizer, work, settings)
+        settings = DistillSettings(tokens=tokens or args.distill_tokens, block_size=512)
+        folder, metrics = run_distillation(stage_model, str(source_dir), texts, held, tokenizer, out / work, settings)
         model = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        measure(label, model, started, model_dir=str(folder), tokens=metrics["tokens_seen"], budget=cache_budget)
+        measure(label, model, started, model_dir=str(folder), tokens=metrics["tokens_seen"], budget=budget)
 
     if "transfer-c" in args.rows and "transfer-c" not in results.rows:
-        distilled("transfer-c", "transfer-b", out / f"work-qkv-{b}")
+        distilled("transfer-c", "transfer-b", f"work-qkv-{b}")
     for budget in args.distill_budgets if "budgets-c" in args.rows else ():
         if f"budget-{budget}-c" not in results.rows:
-            distilled(f"budget-{budget}-c", f"budget-{budget}", out / f"work-qkv-{b}-budget-{budget}", budget)
+            distilled(f"budget-{budget}-c", f"budget-{budget}", f"work-qkv-{b}-budget-{budget}", budget=budget)
+    if "mqa-c" in args.rows and "mqa-c" not in results.rows:
+        distilled("mqa-c", "mqa-b", f"work-mqa-{b}", "Q-MQA", tokens=args.mqa_distill_tokens)
     if args.lm_eval:
         run_lm_eval(results, out, args.lm_eval)
     write_report(results, out, source_bytes)
@@ -250,17 +257,20 @@ def write_report(results: Results, out: Path, source_bytes: int) -> None:
 
 
 def pareto_series(rows: dict) -> dict[str, list]:
-    """The Pareto curve's series, each [(label, row)] from the most cache to the least: stage (b)'s layers under each
-    cache budget, the same distilled (stage c), and Q-MQA; the source starts the first two."""
+    """The Pareto curve's series, each [(label, row)] from the most cache to the least, the source first: the
+    models after stage (b) (cache budgets, every layer tied, Q-MQA), and the same distilled (stage c)."""
 
     def picked(keep) -> list:
         points = [(label, row) for label, row in rows.items() if label == "source" or keep(label)]
         return sorted(points, key=lambda item: -item[1]["kv_bytes_per_token"])
 
     series = {
-        "(a)+(b)": picked(lambda label: label == "transfer-b" or (label.startswith("budget") and "-c" not in label)),
-        "(a)+(b)+(c)": picked(lambda label: label == "transfer-c" or (label.startswith("budget") and "-c" in label)),
-        "Q-MQA (a)+(b)": [(label, row) for label, row in rows.items() if label == "mqa-b"],
+        "(a)+(b)": picked(
+            lambda label: label in ("transfer-b", "mqa-b") or (label.startswith("budget") and "-c" not in label)
+        ),
+        "(a)+(b)+(c)": picked(
+            lambda label: label in ("transfer-c", "mqa-c") or (label.startswith("budget") and "-c" in label)
+        ),
     }
     return {name: points for name, points in series.items() if points and points != picked(lambda label: False)}
 
@@ -273,7 +283,7 @@ def plot_pareto(series: dict[str, list], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for (name, points), color in zip(series.items(), ("tab:blue", "tab:green", "tab:red")):
+    for (name, points), color in zip(series.items(), ("tab:blue", "tab:green")):
         for kind, style in (("code", "-o"), ("prose", "--s")):
             xs = [row["kv_bytes_per_token"] for _, row in points]
             axis.plot(xs, [row[kind] for _, row in points], style, color=color, label=f"{name}, {kind}", markersize=4)
@@ -283,7 +293,7 @@ def plot_pareto(series: dict[str, list], path: Path) -> None:
     axis.set_xlabel("KV-cache bytes per token (16-bit)")
     axis.set_ylabel("held-out perplexity")
     axis.set_yscale("log")
-    axis.set_title("SmolLM2-135M-Instruct -> Q-K=V, convert --method transfer")
+    axis.set_title("SmolLM2-135M-Instruct converted with --method transfer (Q-K=V; Q-MQA at 3,840)")
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
