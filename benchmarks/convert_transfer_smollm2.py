@@ -293,7 +293,7 @@ def plot_pareto(series: dict[str, list], path: Path) -> None:
     axis.set_xlabel("KV-cache bytes per token (16-bit)")
     axis.set_ylabel("held-out perplexity")
     axis.set_yscale("log")
-    axis.set_title("SmolLM2-135M-Instruct converted with --method transfer (Q-K=V; Q-MQA at 3,840)")
+    axis.set_title("SmolLM2-135M-Instruct, convert --method transfer")
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
