@@ -276,6 +276,9 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     assert kl[0] > kl[1] > kl[2] > 0, kl
     errors = record["layer_errors"]
     assert all(t < c < i for i, c, t in zip(errors["init"], errors["closed_form"], errors["transfer"]))
+    assert set(record["stages"]["closed_form"]["choices"]) == {"0", "1"}
+    assert set(record["stages"]["transfer"]["choices"].values()) == {"trained"}
+    assert all(0 < step <= 12 for step in record["stages"]["transfer"]["best_step"].values())
     # The budget: 2 layers x 2 tensors x 2 heads x 16 x 2 bytes = 256 bytes for the source; 0.75 ties one layer,
     # the one whose stage-(b) error is lower, and keeps the other exactly as the source has it.
     budget = record["cache_budget"]
@@ -364,11 +367,7 @@ def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
     assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert "hold the source's attention inputs and outputs of every layer in float32" in err, err
-    assert (
-        "(2 layers x hidden 64 x 8 bytes a token)" in err
-       
-        and "Lower --calibration_tokens" in err
-    ), err
+    assert "(2 layers x hidden 64 x 8 bytes a token)" in err and "Lower --calibration_tokens" in err, err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 

@@ -59,8 +59,9 @@ class ConversionRecord:
     # per-layer ||y' - y|| / ||y|| of the attention output: "converted" (the model saved) and, for tied layers,
     # "key", "value" and "calibrated" measured side by side (None where a method does not apply to a layer)
     layer_errors: dict[str, list[float | None]] = field(default_factory=dict)
-    # --method transfer: held-out tokens of the errors, each stage's budget, time and whole-model KL divergence to
-    # the source ("kl_to_source"), the layers where a stage was not kept, and the --cache_budget choice
+    # --method transfer: held-out tokens of the errors, each stage's budget, time, per-layer choices ("choices",
+    # "best_step") and whole-model KL divergence to the source ("kl_to_source"), the layers where a stage was not
+    # kept, and the --cache_budget choice
     validation_tokens: int = 0
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     not_kept: dict[str, list[int]] = field(default_factory=dict)
@@ -282,6 +283,9 @@ def _transfer(
         source, model, layers, train_ids, validation_ids, settings, work_dir, progress=progress, after_stage=after_stage
     )
     errors = result["layer_errors"]
+    for stage, picks in result.get("choices", {}).items():  # per layer: which candidate a stage kept
+        if stage in result["stages"]:
+            result["stages"][stage]["choices"] = picks
     budget = None
     if cache_budget is not None:
         last = list(errors)[-1]  # the last stage run
