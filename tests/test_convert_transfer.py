@@ -258,6 +258,7 @@ def convert_argv(source_dir: Path, corpus: Path, out: Path, *extra: str) -> list
         *("convert", str(source_dir), "--variant", "Q-K=V", "--method", "transfer", "--output_dir", str(out)),
         *("--calibration_file", str(corpus), "--calibration_tokens", "1024", "--calibration_block_size", "32"),
         *("--validation_tokens", "128", "--transfer_steps", "12", "--transfer_batch_size", "4"),
+        *("--distill_tokens", "0"),  # the default distils 262,144 tokens; a test that wants stage (c) says so
         *extra,
     ]
 
@@ -333,7 +334,8 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
     [
         (
             ["--method", "key", "--transfer_steps", "5"],
-            "--transfer_steps 5, --transfer_batch_size 4 set(s) a stage of --method transfer, but the method is key",
+            "--transfer_steps 5, --transfer_batch_size 4, --distill_tokens 0 set(s) a stage of --method transfer, but the "
+            "method is key",
         ),
         (["--cache_budget", "1.5"], "--cache_budget 1.5 must be in (0, 1]"),
         (["--cache_budget", "0.4"], "--cache_budget 0.4 is below what Q-GQA-2 reaches with every layer tied (0.5"),
