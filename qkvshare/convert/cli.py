@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> ConversionRecord:
             f"{args.source} has no tokenizer, which method={method!r} needs to read calibration text; save the "
             "source's tokenizer next to its weights, or use --method key."
         )
+    if method == "transfer":  # before the text is read: the requested counts bound what is stored
+        check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
     block = args.calibration_block_size
     if changes_attention and tokenizer is not None:
         documents, description = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
@@ -58,8 +60,6 @@ def run(args: argparse.Namespace) -> ConversionRecord:
         held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
         validation = calibration_ids(tokenizer, held_out, args.validation_tokens, block)
         check_calibration_ids(validation, config, "the validation split of the calibration text")
-    if method == "transfer":
-        check_activation_memory(config, ids.numel(), validation.numel())
     out = Path(args.output_dir)
     work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
     source = files.load_source(args.source)
