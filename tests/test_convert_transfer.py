@@ -285,6 +285,9 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     budget = record["cache_budget"]
     lower = min(range(2), key=lambda i: errors["transfer"][i])
     assert budget["tied_layers"] == [lower] and budget["source_kv_bytes_per_token"] == 256
+    # the summary's means: every converted layer before the choice, the tied one after it (the other is exact)
+    assert "error (transfer): " in printed and "over the 2 converted layers, 128 held-out tokens" in printed
+    assert f"error (converted): {errors['converted'][lower]:.4f} over the 1 tied layers" in printed, printed
     assert budget["kv_bytes_per_token"] == 192 and budget["fraction"] == 0.75
     config = json.loads((out / "config.json").read_text())
     assert config["layer_projection_sharing"] == ["kv" if i == lower else "none" for i in range(2)]
