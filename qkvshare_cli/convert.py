@@ -258,9 +258,14 @@ def check_transfer_args(args: argparse.Namespace) -> None:
     for name in ("validation_tokens", "transfer_batch_size", "distill_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)} must be at least 1.")
-    for name in ("transfer_steps", "transfer_eval_steps", "distill_tokens"):
+    for name in ("transfer_steps", "distill_tokens"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} {getattr(args, name)} must be >= 0 (0 skips the stage).")
+    if args.transfer_eval_steps < 0:
+        raise ValueError(
+            f"--transfer_eval_steps {args.transfer_eval_steps} must be >= 0 (0: measure each layer only after its last "
+            "step)."
+        )
     for name in ("transfer_learning_rate", "distill_learning_rate", "distill_temperature"):
         if not getattr(args, name) > 0:  # also catches nan
             raise ValueError(f"--{name} {getattr(args, name)} must be a number > 0.")

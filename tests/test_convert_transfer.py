@@ -368,7 +368,7 @@ def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
     from qkvshare.convert import transfer
 
     # this source: 2 layers x hidden 64 x 8 bytes = 1,024 bytes a token, x (1,024 + 128) tokens = 1.1 MiB
-    monkeypatch.setattr(transfer, "available_memory", lambda: 100_000)
+    monkeypatch.setattr(transfer, "available_bytes", lambda: 100_000)
     assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert "hold the source's attention inputs and outputs of every layer in float32" in err, err

@@ -59,7 +59,7 @@ from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMode
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.analysis.common import markdown_table, model_fields, variant_config
+from qkvshare.analysis.common import available_bytes, markdown_table, model_fields, variant_config
 from qkvshare.analysis.conventions import torch_dtype
 from qkvshare.analysis.plotting import line_plot
 from qkvshare.cache_qkvshare import QKVShareCacheMixin, Rotation, cache_layer_nbytes
@@ -192,17 +192,6 @@ def theory_nbytes(row: DecodeModel, kind: str, batch: int, slots: int, element_s
     else:
         per_tensor = elements * cache_config["nbits"] // 8 + 2 * (elements // Q_GROUP_SIZE) * element_size
     return tensors * per_tensor + (8 * batch * slots if positions else 0)
-
-
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------

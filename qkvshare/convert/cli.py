@@ -189,17 +189,17 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
     where = "held-out" if record.validation_tokens else "calibration"
     tied = record.cache_budget["tied_layers"] if record.cache_budget is not None else None
     for name in ("key", "value", "calibrated", "init", "closed_form", "transfer", "distill", "converted"):
-        errors = record.layer_errors.get(name) or []
         # after a --cache_budget choice (distill, converted) the untied layers are exact copies: the mean is the tied
         # layers', so it compares with the stages before, which converted every layer
-        layers = tied if tied is not None and name in ("distill", "converted") else range(len(errors))
-        values = [errors[i] for i in layers if errors[i] is not None]
-        if values:
-            mean, kind = sum(values) / len(values), "tied" if layers is tied else "converted"
+        layers = tied if tied is not None and name in ("distill", "converted") else None
+        mean = record.mean_error(name, layers)
+        if mean is not None:
+            counted = len(layers) if layers is not None else sum(e is not None for e in record.layer_errors[name])
+            kind = "converted" if layers is None else "tied"
             kl = record.stages.get(name, {}).get("kl_to_source")
             then = f"; KL to the source {kl:.4f} per token" if kl is not None else ""
             lines.append(
-                f"mean attention-output error ({name}): {mean:.4f} over the {len(values)} {kind} layers, {tokens:,} "
+                f"mean attention-output error ({name}): {mean:.4f} over the {counted} {kind} layers, {tokens:,} "
                 f"{where} tokens{then}"
             )
     if record.layer_errors.get("drift"):

@@ -70,8 +70,10 @@ class ConversionRecord:
     qkvshare_version: str = ""
     transformers_version: str = ""
 
-    def mean_error(self, method: str = "converted") -> float | None:
-        values = [e for e in self.layer_errors.get(method, []) if e is not None]
+    def mean_error(self, method: str = "converted", layers: list[int] | None = None) -> float | None:
+        """The mean of `method`'s per-layer errors over `layers` (default: every layer that has one)."""
+        errors = self.layer_errors.get(method, [])
+        values = [errors[i] for i in (range(len(errors)) if layers is None else layers) if errors[i] is not None]
         return sum(values) / len(values) if values else None
 
 

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from qkvshare.analysis.common import available_bytes
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
 from qkvshare.train.schedule import get_lr
@@ -141,21 +142,10 @@ def activation_bytes(config: Any, tokens: int) -> int:
     return tokens * config.num_hidden_layers * config.hidden_size * 2 * 4
 
 
-def available_memory() -> int | None:
-    """The memory the system can give this process now (Linux's MemAvailable), None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def check_activation_memory(config: Any, calibration_tokens: int, validation_tokens: int) -> None:
     """A `ValueError` before any work when stages (a)/(b)'s stored activations would not fit in memory."""
     need = activation_bytes(config, calibration_tokens + validation_tokens)
-    free = available_memory()
+    free = available_bytes()
     if free is not None and need > 0.8 * free:
         raise ValueError(
             f"--calibration_tokens {calibration_tokens} and --validation_tokens {validation_tokens} make the transfer "
@@ -351,7 +341,6 @@ class LayerRun:
 
     losses: list[float]
     best_step: int
-    best_error: float
 
 
 def train_layer(
@@ -427,7 +416,7 @@ def train_layer(
         p.requires_grad_(False)
     if best["state"] is not None:
         module.load_state_dict(best["state"], strict=True)
-    return LayerRun(losses, best["step"] if best["state"] is not None else settings.steps, best["error"])
+    return LayerRun(losses, best["step"] if best["state"] is not None else settings.steps)
 
 
 def run_stages(
@@ -522,8 +511,8 @@ def run_stages(
     if settings.steps > 0:
         started = time.perf_counter()
         bar = tqdm(total=len(layers) * settings.steps, desc="attention transfer", disable=not progress)
-        in_record = record["stages"].get("transfer") or record["stages"].get("transfer_progress", {})
-        final_losses, best_steps = in_record.get("final_loss", {}), in_record.get("best_step", {})
+        so_far = record["stages"].setdefault("transfer", {})  # filled as layers finish; completed below
+        final_losses, best_steps = so_far.setdefault("final_loss", {}), so_far.setdefault("best_step", {})
         for i in layers:
             if files.load_layer("transfer", i, attention[i]):
                 bar.update(settings.steps)
@@ -535,7 +524,6 @@ def run_stages(
             if run.losses:
                 final_losses[str(i)] = run.losses[-1]
             best_steps[str(i)] = run.best_step
-            record["stages"].setdefault("transfer_progress", {}).update(final_loss=final_losses, best_step=best_steps)
             files.save_errors(record)
         bar.close()
         if "transfer" not in errors:
@@ -547,7 +535,6 @@ def run_stages(
                 "final_loss": final_losses,
                 "best_step": best_steps,
             }
-            record["stages"].pop("transfer_progress", None)
             measure("transfer")
     run = [stage for stage, on in zip(STAGES, (True, settings.closed_form, settings.steps > 0)) if on]
     return record | {
