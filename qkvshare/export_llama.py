@@ -9,7 +9,7 @@ Design notes
   of these are Llama too. The rest of the block must be Llama's: RMSNorm, gated MLP, RoPE, causal softmax attention
   over every token, hidden_size a multiple of the heads (LlamaConfig checks it). Biases are Llama's
   (`attention_bias` on q/k/v/o, `mlp_bias`), as are tied embeddings and any activation (LlamaMLP looks it up).
-- Not Llama, refused by `llama_problems` with the reason, before any weight is read: a post-RoPE K=V tie (the value
+- Not Llama, refused by `llama_differences` (configuration_qkvshare.py) with the reason, before any weight is read: a post-RoPE K=V tie (the value
   is the rotated key; Llama's values are never rotated), the "+" map and ALiBi (score biases Llama lacks), QV-Ka
   (keys made from the values and a context), learned or no positions, LayerNorm or the plain MLP (GPT-2 style), the
   linear kernel, a sliding window (Mistral's config could hold one; not written here), an encoder (is_causal=False).
@@ -38,8 +38,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from .configuration_qkvshare import QKVShareConfig
-from .train.model import llama_twin_config
+from .configuration_qkvshare import QKVShareConfig, llama_differences, llama_twin_config
 
 # The byte-level BPE pre-tokenizers (tokenizer.json, step by step) whose llama.cpp counterpart splits text with the
 # same regexes (llama.cpp src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2, LLAMA_VOCAB_PRE_TYPE_SMOLLM), by the name
@@ -51,47 +50,8 @@ LLAMA_CPP_PRE_TOKENIZERS = {
 GGUF_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def llama_problems(config: QKVShareConfig) -> list[str]:
-    """Why a model with `config` is not exactly a Llama model: one entry per difference (empty when it is one)."""
-    problems = []
-    if config.attention_kernel != "softmax":
-        problems.append(f"attention_kernel={config.attention_kernel!r} (a recurrence; Llama has softmax attention)")
-    if config.position_embedding_type != "rope":
-        what = "a score bias by distance" if config.position_embedding_type == "alibi" else "no RoPE"
-        problems.append(f"position_embedding_type={config.position_embedding_type!r} ({what}; Llama has RoPE)")
-    if config.norm_type != "rmsnorm" or config.mlp_type != "gated":
-        problems.append(
-            f"norm_type={config.norm_type!r}, mlp_type={config.mlp_type!r} (Llama has RMSNorm and a gated MLP)"
-        )
-    if not config.is_causal:
-        problems.append("is_causal=False (an encoder; Llama is a causal decoder)")
-    if config.attention_map_pe_dim:
-        problems.append(f"attention_map_pe_dim={config.attention_map_pe_dim} (the '+' map adds a score bias)")
-    if config.key_context_dim:
-        problems.append(f"key_context_dim={config.key_context_dim} (QV-Ka: keys made from the values and a context)")
-    layers = range(config.num_hidden_layers)
-    sliding = [i for i in layers if config.layer_attention_type(i) == "sliding_attention"]
-    if sliding:
-        problems.append(
-            f"sliding_window={config.sliding_window} in layers {_listed(sliding)} (Llama attends to every token; "
-            "Mistral's config could hold the window, which this export does not write)"
-        )
-    rotated_values = [i for i in layers if config.layer_mode(i).kv_tied] if config.kv_tie_point == "post_rope" else []
-    if rotated_values and config.position_embedding_type == "rope":
-        problems.append(
-            f"kv_tie_point='post_rope' with K=V layers {_listed(rotated_values)} (the value is the rotated key; "
-            "Llama's values are never rotated; a pre_rope tie is Llama with v_proj = k_proj)"
-        )
-    if config.hidden_size % config.num_attention_heads:
-        problems.append(
-            f"hidden_size={config.hidden_size} is not a multiple of num_attention_heads="
-            f"{config.num_attention_heads} (LlamaConfig requires it)"
-        )
-    return problems
-
-
 def gguf_problems(config: QKVShareConfig) -> list[str]:
-    """What llama.cpp's Llama graph cannot run, beyond `llama_problems`: it has SiLU and plain RoPE only."""
+    """What llama.cpp's Llama graph cannot run, beyond `llama_differences`: it has SiLU and plain RoPE only."""
     problems = []
     if config.hidden_act != "silu":
         problems.append(f"hidden_act={config.hidden_act!r} (llama.cpp's Llama MLP is SiLU-gated)")
@@ -108,7 +68,7 @@ def _listed(layers: list[int]) -> str:
 def check_llama_export(config: QKVShareConfig, model_dir: str | Path, format: str) -> str | None:
     """A `ValueError` naming every reason the model in `model_dir` cannot be written as `format` ("llama" or
     "gguf"); for gguf, returns llama.cpp's pre-tokenizer name of its tokenizer (`gguf_pre_tokenizer`)."""
-    problems = llama_problems(config) + (gguf_problems(config) if format == "gguf" else [])
+    problems = llama_differences(config) + (gguf_problems(config) if format == "gguf" else [])
     if problems:
         raise ValueError(
             f"{model_dir} ({config.variant}) is not exactly a Llama model, so --format {format} cannot hold it: "
@@ -161,7 +121,7 @@ def _pre_tokenizer_step(step: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- the Llama checkpoint
 def to_llama_config(config: QKVShareConfig, dtype: torch.dtype) -> LlamaConfig:
-    """The `LlamaConfig` of the same model (`config` must pass `llama_problems`): the shape's Llama twin, with the
+    """The `LlamaConfig` of the same model (`config` has no `llama_differences`): the shape's Llama twin, with the
     init scale, dropout, architecture name and dtype a saved checkpoint carries."""
     return llama_twin_config(
         config,

@@ -1,22 +1,29 @@
-"""Do a model directory's weights fit the model its config.json builds? The check every command runs before loading.
+"""Reading model directories and sources: config.json, the safetensors weights (checked complete, and checked to fit
+the model their config builds), and the Llama-architecture sources of `qkvshare convert` (a directory or a .gguf
+file). Every command that loads a model reads it through here, before any weight is loaded.
 
-Why: transformers loads a checkpoint whose config.json was edited, or copied from another run, without refusing
-it. A tensor the config has no place for is only logged and dropped (a QKV checkpoint whose config now says layer 0
-is Q-K=V loses that layer's v_proj, and perplexity prints a wrong number with exit status 0), a tensor the config
-needs but the files lack is initialised at random, and a changed shape ends in a size-mismatch traceback.
+Why the fit check: transformers loads a checkpoint whose config.json was edited, or copied from another run, without
+refusing it. A tensor the config has no place for is only logged and dropped (a QKV checkpoint whose config now says
+layer 0 is Q-K=V loses that layer's v_proj, and perplexity prints a wrong number with exit status 0), a tensor the
+config needs but the files lack is initialised at random, and a changed shape ends in a size-mismatch traceback.
 
 How: the names and shapes in the safetensors headers (no tensor data is read) are compared with the state dict of
 the model the config builds on the meta device (nothing allocated, no accelerate needed), the way transformers
 matches them: the base model's prefix may be absent from the files, tied copies (`lm_head.weight` tied to the
 embeddings) need not be saved, and a saved copy of a buffer the model recomputes (a RoPE `inv_freq`) is ignored.
+A truncated or damaged file is named before any of this (its header and size are checked), so a bad download fails
+in a second with the file named, never as a SafetensorError traceback.
 
-Scope: QKVShare and Llama-architecture checkpoints (`CHECKED_MODEL_TYPES`), whose files hold the model's own
-tensor names. Other architectures may rename tensors while loading (transformers' conversion mappings), so they are
-left to transformers. A directory with only pickle weights is not read here (pickles are never opened to check).
+Scope of the fit check: QKVShare and Llama-architecture checkpoints (`CHECKED_MODEL_TYPES`), whose files hold the
+model's own tensor names. Other architectures may rename tensors while loading (transformers' conversion mappings),
+so they are left to transformers. Pickle weights are never opened.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,13 +31,144 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors import safe_open
-from transformers import AutoConfig, PreTrainedConfig
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
 import qkvshare
-from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES
-from qkvshare.evaluation.common import read_config_json, safetensors_files
+from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, llama_config_dict
+from qkvshare_settings.conventions import TOKENIZER_FILES
+from qkvshare_settings.convert import check_source_path
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth")
+REPAIR = "Re-download the model, or re-save it with save_pretrained."
+
+
+class ModelDirError(ValueError):
+    """A model directory or source that cannot be read as it is: the message names the file and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoint files: config.json and the safetensors weights, checked before anything is loaded
+# ----------------------------------------------------------------------------------------------------------------
+def read_json_file(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in `path`; an `ModelDirError` naming the file when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_bytes())
+    except json.JSONDecodeError as err:
+        raise ModelDirError(
+            f"{path} ({what}) is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}): the file is "
+            f"damaged or truncated. {REPAIR}"
+        ) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelDirError(f"{path} ({what}) is unreadable ({err}). {REPAIR}") from err
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path} ({what}) holds a JSON {type(data).__name__}, not an object. {REPAIR}")
+    return data
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The `config.json` of a model directory, with a clear error when it is missing or damaged."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelDirError(
+            f"model directory {str(model_dir)!r} has no config.json: not a Hugging Face model directory. "
+            "Pass a directory written by save_pretrained (e.g. a `qkvshare train` checkpoint)."
+        )
+    return read_json_file(path, "the model config")
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Raise `ModelDirError` naming `path` when it is missing, truncated or not a readable safetensors file.
+
+    The size check reads only the header: 8 bytes of header length, the JSON header, then the data, whose
+    extent is the largest `data_offsets` end; a file shorter than that was cut off (an interrupted download or
+    save). `safe_open` then validates the header the way loading will (dtypes, shapes, offsets).
+    """
+    if not path.is_file():
+        raise ModelDirError(f"weights file {path} is missing. {REPAIR}")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+        if header_len is None or header_len > size - 8:
+            raise ModelDirError(
+                f"weights file {path} is truncated ({size:,} bytes, shorter than its own header): the download "
+                f"or save was interrupted. {REPAIR}"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+            raise ModelDirError(
+                f"weights file {path} is unreadable: its header is not a safetensors header ({err}). {REPAIR}"
+            ) from err
+    expected = 8 + header_len + end
+    if size < expected:
+        raise ModelDirError(
+            f"weights file {path} is truncated: {size:,} of {expected:,} bytes (its header lists data up to byte "
+            f"{expected:,}); the download or save was interrupted. {REPAIR}"
+        )
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise ModelDirError(f"weights file {path} is unreadable ({err}). {REPAIR}") from err
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory (sharded via its index, or globbed), each checked complete.
+
+    An index that lists a missing shard, a truncated file or a damaged header raises `ModelDirError` naming the
+    file. Returns [] when the directory holds no safetensors weights at all (the caller decides what that means).
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = read_json_file(index, "the shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelDirError(f"{index} has no 'weight_map' of tensor names to files. {REPAIR}")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelDirError(
+                f"{index} lists weight file(s) {', '.join(missing)} missing from {model_dir}: the download or save "
+                f"is incomplete. {REPAIR}"
+            )
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        check_safetensors_file(path)
+    return files
+
+
+def weight_files(model_dir: str | Path, allow_pickle: bool = True) -> list[Path]:
+    """The checked safetensors files of a model directory (see `safetensors_files`); an error when it has none.
+
+    With only pickle weights (`pytorch_model.bin`) it returns [] if `allow_pickle` (transformers loads those
+    itself), else says that pickles are never loaded.
+    """
+    model_dir = Path(model_dir)
+    files = safetensors_files(model_dir)
+    if files:
+        return files
+    pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in model_dir.glob(pattern))
+    if pickles and allow_pickle:
+        return []
+    if pickles:
+        raise ModelDirError(
+            f"{model_dir} holds no *.safetensors weights (found {', '.join(pickles)}: pickle files are never "
+            "loaded; convert them to safetensors, e.g. load the model and save_pretrained it)."
+        )
+    raise ModelDirError(
+        f"model directory {str(model_dir)!r} has no weights (model.safetensors is missing): the save or download "
+        f"did not finish. {REPAIR}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# do the weights fit the config?
+# ----------------------------------------------------------------------------------------------------------------
 CHECKED_MODEL_TYPES = ("qkvshare", *LLAMA_ARCHITECTURES)
 SHOWN = 8  # groups of tensor names listed per kind of problem; the rest are counted
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
@@ -174,3 +312,70 @@ def check_weights_fit_config(
             "weights come from different models (config.json edited, or copied from another run); loading would "
             "drop, re-initialise or fail on these tensors. Put back the config.json saved with these weights."
         )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sources of `qkvshare convert` (and teachers): Llama-architecture directories and .gguf files
+# ----------------------------------------------------------------------------------------------------------------
+def check_architecture(config: dict[str, Any]) -> None:
+    """A `ValueError` naming the supported architectures unless `config` (a config.json dict) is one of them."""
+    if config.get("model_type") not in LLAMA_ARCHITECTURES:
+        raise ValueError(
+            f"the source is model_type={config.get('model_type')!r}, which `qkvshare convert` does not support; "
+            f"supported architectures: {', '.join(LLAMA_ARCHITECTURES)} (Llama-style attention, RMSNorm, SwiGLU, RoPE)."
+        )
+
+
+def require_gguf() -> None:
+    """transformers reads GGUF files with the `gguf` package, which no extra of ours installs (one file format)."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("reading a .gguf file needs the package gguf, which is not installed; pip install gguf.")
+
+
+def read_source_config(source: str) -> dict[str, Any]:
+    """The source's config as a dict, every field filled as transformers' config class fills it, without reading
+    its weights. A directory must hold a supported config.json and weight files (checked complete): a `ValueError`
+    naming the file otherwise."""
+    path = check_source_path(source)
+    if path.is_dir():
+        d = read_config_json(path)
+        check_architecture(d)
+        config = llama_config_dict(d, str(path / "config.json"))
+        weight_files(path)  # none, or a truncated one: said here, not as transformers' OSError after the calibration
+        return config
+    require_gguf()
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+
+
+def load_source_tokenizer(source: str) -> Any:
+    """The tokenizer saved with the source (a directory's files, or the one inside a .gguf), or None."""
+    path = check_source_path(source)
+    if path.is_file():
+        require_gguf()
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_source(source: str, dtype: torch.dtype | None = None) -> Any:
+    """A Llama-architecture causal LM from a directory or a .gguf file (float32 by default).
+
+    A model loaded from GGUF is de-quantized by transformers but still marked as quantized, which
+    `save_pretrained` refuses; it is copied into a plain model of its class, which saves normally.
+    """
+    dtype = dtype or torch.float32
+    check_architecture(read_source_config(source))  # before reading any weight
+    path = check_source_path(source)
+    if path.is_dir():
+        check_weights_fit_config(path, model_class=AutoModelForCausalLM, label=f"SRC {source!r}")
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    plain_config = copy.deepcopy(loaded.config)
+    if hasattr(plain_config, "quantization_config"):
+        del plain_config.quantization_config
+    plain = type(loaded)(plain_config).to(dtype)
+    with torch.no_grad():
+        plain.load_state_dict(loaded.state_dict(), strict=True)
+    return plain.eval()

@@ -44,23 +44,24 @@ from packaging.specifiers import SpecifierSet
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager, PagedAttentionCache
-from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
-from transformers.generation.continuous_batching.cache_allocators import (
-    FULL_ATTENTION,
-    CachePool,
-    FullAttentionCacheAllocator,
-)
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
-from transformers.generation.continuous_batching.distributed import DistributedHelper
-from transformers.generation.continuous_batching.initialization import update_cb_config_after_cache_creation
-from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
-from transformers.generation.continuous_batching.utils import WorkloadHints, logger
 
 from .cache_qkvshare import CacheLayout, attend_layer
+from .compat_qkvshare import (
+    FULL_ATTENTION,
+    SCHEDULER_MAPPING,
+    TESTED_TRANSFORMERS,
+    CachePool,
+    ContinuousBatchProcessor,
+    DistributedHelper,
+    FIFOScheduler,
+    FullAttentionCacheAllocator,
+    PagedAttentionMemoryHandler,
+    WorkloadHints,
+    update_cb_config_after_cache_creation,
+)
+from .compat_qkvshare import continuous_batching_logger as logger
 from .configuration_qkvshare import QKVShareConfig
 
-# The transformers releases this module was tested with: it subclasses private parts of their continuous batching.
-TESTED_TRANSFORMERS = ">=5.24,<5.25"
 # Attention backends whose continuous-batching path reads the K and V that `attend` returns ("paged|eager" is what
 # transformers' manager makes of "eager").
 PAGED_BACKENDS = ("sdpa", "eager", "paged|eager")
@@ -352,19 +353,6 @@ class PagedBatch(NamedTuple):
         expects."""
         layer = PagedLayer(self.allocator, layer_idx, self.read_index, self.write_index)
         return attend_layer(self.layout.layer_kinds[layer_idx], self.layout.kv_tie_point, layer, *states)
-
-
-def paged_batch(cache: PagedAttentionCache, layout: CacheLayout, batch: Mapping[str, Any]) -> PagedBatch:
-    """The `PagedBatch` a forward writes through (see `cache_for_model`); refuses transformers' own paged cache, which
-    keeps K and V pages for every layer and no positions."""
-    if not isinstance(cache, QKVSharePagedCache):
-        raise ValueError(
-            f"cache: a {type(cache).__name__} keeps a key and a value page for every layer; QKVShare models run "
-            "continuous batching on a QKVSharePagedCache (one page for a tied layer), which model.generate_batch(...), "
-            "model.init_continuous_batching() and generate(cache_implementation='paged') create. Use those rather "
-            "than transformers' ContinuousBatchingManager directly."
-        )
-    return cache.for_batch(layout, batch)
 
 
 class QKVShareBatchingManager(ContinuousBatchingManager):

@@ -55,11 +55,11 @@ from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import CBWorkerDeadError, GenerationState, split_revision
 
 from qkvshare.cache_qkvshare import CacheLayout, QKVShareCache
-from qkvshare.evaluation.common import default_device
+from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
 from qkvshare.model_dir import check_weights_fit_config
 from qkvshare.modeling_qkvshare import QKVShareForCausalLM
 from qkvshare.paged_cache_qkvshare import TESTED_TRANSFORMERS
-from qkvshare_cli import main as cli_main
+from qkvshare.runtime import default_device
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -241,7 +241,7 @@ def cache_summary(model: QKVShareForCausalLM, tokens: int = PREFILL_TOKENS) -> s
     held = [f"{count} " + HELD[kind].format(s="" if count == 1 else "s") for kind, count in kinds.items()]
     held += ["token positions kept"] if config.needs_key_positions else []
     element = torch.finfo(model.dtype).bits // 8
-    both = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    both = kv_cache_bytes_per_token(config, element, tied=False)
     return (
         f"KV cache: {cache.nbytes() / tokens:,.0f} bytes/token ({config.variant}: {'; '.join(held)}; K and V in "
         f"every layer would hold {both:,}; {model.dtype})"
@@ -340,11 +340,11 @@ def start_continuous_batching(
     config, element = model.config, torch.finfo(model.dtype).bits // 8
     page = next(iter(cache.cache_allocators.values())).tokens_per_page
     tokens = cache.num_blocks * page
-    both = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    both = kv_cache_bytes_per_token(config, element, tied=False)
     return (
         f"Paged cache (continuous batching): {cache.num_blocks:,} blocks of {page} tokens = {tokens:,} tokens in "
         f"{cache.cache_tensor.nbytes:,} bytes; K and V in every layer would fit "
-        f"{tokens * config.kv_cache_bytes_per_token(element) // both:,} tokens in these pages"
+        f"{tokens * kv_cache_bytes_per_token(config, element) // both:,} tokens in these pages"
     )
 
 
@@ -404,8 +404,7 @@ def serve_in_subprocess(
     process's environment."""
     root = str(Path(__file__).resolve().parents[1])  # the package this process runs, not another install
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    code = "import sys, qkvshare_cli; sys.exit(qkvshare_cli.main(sys.argv[1:]))"
-    argv = [sys.executable, "-c", code, "serve", str(model_dir), "--port", "0", *flags]
+    argv = [sys.executable, "-m", "qkvshare_cli", "serve", str(model_dir), "--port", "0", *flags]
     log_path = Path(log_path)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -429,21 +428,12 @@ def serve_in_subprocess(
             process.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare serve ARGV` (the same as the console command); returns the exit status."""
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: argparse.Namespace) -> int:
-    """`qkvshare serve MODEL_DIR`: load the model, print its cache size, serve until stopped. Returns 0, or 2 for a
-    model directory that cannot be served."""
+def serve(args: argparse.Namespace) -> None:
+    """`qkvshare serve MODEL_DIR`: load the model, print its cache size, serve until stopped. A model directory that
+    cannot be served is a `ValueError` before anything listens."""
     import uvicorn
 
-    try:
-        check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
-    except ValueError as err:
-        print(f"qkvshare serve: error: {err}", file=sys.stderr)
-        return 2
+    check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
     if not SpecifierSet(TESTED_TRANSFORMERS).contains(transformers.__version__, prereleases=True):
         print(
             f"qkvshare serve: warning: this server builds on transformers' serving modules (not public API), tested "
@@ -453,14 +443,9 @@ def execute(args: argparse.Namespace) -> int:
         )
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    try:
-        app, model, pool = build_app(args)
-    except ValueError as err:  # continuous batching refused for this model (what to use instead is said)
-        print(f"qkvshare serve: error: {err}", file=sys.stderr)
-        return 2
+    app, model, pool = build_app(args)  # a ValueError when continuous batching is refused (it says what to use)
     print(f"Serving {args.model_dir} ({model.config.variant}, {model.dtype}, {model.device})", flush=True)
     print(cache_summary(model), flush=True)
     if pool is not None:
         print(pool, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0

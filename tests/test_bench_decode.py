@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
+from commands import command
 
 from qkvshare.analysis import bench, bench_decode
 from qkvshare.configuration_qkvshare import QKVShareConfig
-from qkvshare_cli.bench import parse_args as parse_bench_args
+from qkvshare_settings.bench import parse_args as parse_bench_args
 
 CPU = torch.device("cpu")
 # tiny: 2 layers, 4 heads of 16, 4 kv heads; fp32
@@ -98,7 +99,7 @@ def test_decode_command_end_to_end(tmp_path):
     out = tmp_path / "decode"
     argv = ["--decode", "--preset", "tiny", "--context_lens", "8", "--batch_sizes", "1", "2", "--new_tokens"]
     argv += ["1", "--repeats", "1", "--decode_caches", "dynamic", "quantized-int8", "--rss_context", "0"]
-    assert bench.main(argv + ["--output_dir", str(out)]) == 0
+    assert command("bench")(argv + ["--output_dir", str(out)]) == 0
     report = json.loads((out / "decode.json").read_text())
     keys = [(r["batch"], r["context"], r["model"], r["cache"]) for r in report["decode"]]
     expected = [(b, t, m, "dynamic") for b in (1, 2) for t in (8,) for m in ("Llama", "none", "Q-K=V", "Q-GQA-1")]
@@ -127,7 +128,7 @@ def test_decode_figure_is_the_table(tmp_path):
     out, png = tmp_path / "decode", tmp_path / "figs" / "decode-small.png"
     argv = ["--decode", "--preset", "tiny", "--context_lens", "16", "8", "--batch_sizes", "2", "1", "--new_tokens"]
     argv += ["1", "--repeats", "1", "--decode_caches", "dynamic", "static", "--rss_context", "0"]
-    assert bench.main(argv + ["--output_dir", str(out), "--decode_plot", str(png)]) == 0
+    assert command("bench")(argv + ["--output_dir", str(out), "--decode_plot", str(png)]) == 0
     assert _png_size(png) == (1440, 540)  # two 6 x 4.5 inch panels at 120 dpi
     report = json.loads((out / "decode.json").read_text())
     figure = report["figure"]
@@ -215,5 +216,5 @@ def test_a_variant_name_means_one_config_in_bench_and_bench_decode():
     ],
 )
 def test_decode_bad_input(argv, message, capsys):
-    assert bench.main(["--preset", "tiny", *argv]) == 2
+    assert command("bench")(["--preset", "tiny", *argv]) == 2
     assert message in capsys.readouterr().err

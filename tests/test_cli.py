@@ -2,12 +2,14 @@
 
 - Help, version and unknown commands import neither torch nor transformers (fresh interpreters, `sys.modules`);
   every command's `--help` and bad arguments are answered without importing the `qkvshare` package at all.
-- A command's arguments are parsed once, by its parser in `qkvshare_cli`, and handed to the command (a throwaway
-  command in tmp_path records its parses, its runs and which package `__init__` ran).
+- A command's arguments are parsed once, by its parser in `qkvshare_settings`, and handed to the command's library
+  function (a throwaway command in tmp_path records its parses, its runs and which package `__init__` ran); what
+  that function raises is the exit status.
 - A missing extra is reported once, naming the package and the `pip install` line, exit status 2, before the
   command runs (simulated with `sys.modules[name] = None`).
-- pyproject's extras match `qkvshare_cli.extras.EXTRAS`, every third-party import of the package is declared, the
-  model files need only the core, `qkvshare_cli` needs only the standard library and PyYAML, the packages ship,
+- pyproject's extras match `qkvshare_settings.extras.EXTRAS`, every third-party import of the package is declared, the
+  model files need only the core, `qkvshare_cli` and `qkvshare_settings` need only the standard library and
+  PyYAML, the packages ship,
   one version source, `.ci/run` fails when a step fails.
 """
 
@@ -29,11 +31,17 @@ import pytest
 
 import qkvshare_cli
 from qkvshare_cli import COMMANDS, Command, extras
-from qkvshare_cli.extras import EXTRAS, MissingExtraError, check_extra, require
+from qkvshare_settings.extras import EXTRAS, MissingExtraError, check_extra, require
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-MODEL_FILES = ("configuration_qkvshare", "modeling_qkvshare", "cache_qkvshare", "linear_attention_qkvshare")
+MODEL_FILES = (
+    "configuration_qkvshare",
+    "modeling_qkvshare",
+    "cache_qkvshare",
+    "linear_attention_qkvshare",
+    "compat_qkvshare",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,6 +108,11 @@ def fake_command(tmp_path, monkeypatch):
             "democmd/sub/run.py": """
                 import demolog
 
+                from qkvshare_settings.conventions import CommandStopped
+
+                class Stopped(CommandStopped):
+                    exit_status = 3
+
                 def execute(args):
                     demolog.runs.append(args)
                     if args.plot:
@@ -107,9 +120,10 @@ def fake_command(tmp_path, monkeypatch):
                     if args.broken:
                         import no_such_module_anywhere  # not an extra: a bug, keeps its traceback
                     if args.require:
-                        from qkvshare_cli.extras import require
+                        from qkvshare_settings.extras import require
                         require("matplotlib.pyplot", "plots", "the demo plot", hint="or pass --no_plot")
-                    return 3 if args.n == 3 else 0
+                    if args.n == 3:
+                        raise Stopped("stopped at 3")
                 """,
         },
     )
@@ -196,10 +210,7 @@ def test_console_script_and_its_packages_ship():
     assert PYPROJECT["project"]["scripts"] == {"qkvshare": "qkvshare_cli:main"}
     found = find_namespace_packages(str(ROOT), include=PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])
     subpackages = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in ROOT.glob("qkvshare/**/*.py")}
-    assert {"qkvshare_cli", *subpackages} <= set(found)  # the wheel holds the console script's package
-    import qkvshare.cli
-
-    assert qkvshare.cli.main is qkvshare_cli.main and qkvshare.cli.COMMANDS is COMMANDS
+    assert {"qkvshare_cli", "qkvshare_settings", *subpackages} <= set(found)  # the wheel holds the CLI's packages
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
@@ -265,7 +276,8 @@ def test_arguments_are_parsed_once_and_handed_to_the_command(fake_command, capsy
     assert qkvshare_cli.main(["demo", "--n", "-1"]) == 2
     assert capsys.readouterr().err == "qkvshare demo: error: --n must be >= 0, got -1\n"
     assert demolog.runs == [] and demolog.inits == []  # the command never ran, its packages never initialised
-    assert qkvshare_cli.main(["demo", "--n", "3"]) == 3  # the command's status is the exit status
+    assert qkvshare_cli.main(["demo", "--n", "3"]) == 3  # the command's outcome is the exit status
+    assert capsys.readouterr().err == "qkvshare demo: stopped: stopped at 3\n"
     assert demolog.parses == [["--help"], ["--n", "x"], ["--n", "-1"], ["--n", "3"]]  # once per call
     assert [vars(args) for args in demolog.runs] == [{"n": 3, "plot": False, "broken": False, "require": False}]
     assert demolog.inits == ["democmd", "democmd.sub"]
@@ -353,7 +365,7 @@ def test_extras_match_pyproject():
         assert names(extras[extra]) == set(modules.values()), extra
     assert extras["all"] == ["qkvshare[train,eval,plots]"]
     assert (
-        names(extras["dev"]) == {"qkvshare", "pytest", "pytest-xdist", "ruff", "peft"}
+        names(extras["dev"]) == {"qkvshare", "pytest", "pytest-xdist", "ruff", "import-linter", "peft"}
         and "qkvshare[all]" in extras["dev"]
     )
     assert names(PYPROJECT["project"]["dependencies"]) == {"torch", "transformers", "safetensors"}
@@ -410,14 +422,18 @@ def test_every_third_party_import_is_declared():
         declared = {_normalize(p) for modules in EXTRAS.values() for m, p in modules.items() if m == module}
         return {_normalize(d) for d in distributions.get(module, ())} | declared
 
-    files = sorted((ROOT / "qkvshare").rglob("*.py")) + sorted((ROOT / "qkvshare_cli").rglob("*.py"))
+    files = [
+        f
+        for package in ("qkvshare", "qkvshare_cli", "qkvshare_settings")
+        for f in sorted((ROOT / package).rglob("*.py"))
+    ]
     assert len(files) > 20
     problems = []
     for path in files:
         model_file = path.parent == ROOT / "qkvshare" and path.stem in MODEL_FILES
         allowed = core if model_file else core | extras | OPTIONAL_INTEGRATIONS
         for module, line in _third_party_imports(path):
-            if module in ("qkvshare", "qkvshare_cli"):
+            if module in ("qkvshare", "qkvshare_cli", "qkvshare_settings"):
                 continue
             if not providers(module) & allowed:
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {module} ({sorted(providers(module))})")
@@ -426,9 +442,14 @@ def test_every_third_party_import_is_declared():
 
 def test_command_line_package_imports_only_the_standard_library_and_yaml():
     """What `qkvshare --help` and every parser may import: importing the package or torch there, even in a branch
-    the fresh-interpreter tests do not take, would make argument errors wait for torch."""
-    imports = {module for path in (ROOT / "qkvshare_cli").rglob("*.py") for module, _ in _third_party_imports(path)}
-    assert imports <= {"yaml", "qkvshare_cli"}
+    the fresh-interpreter tests do not take, would make argument errors wait for torch. (`qkvshare_cli` imports the
+    library only through the command table's strings, once a command runs.)"""
+    for package, allowed in (
+        ("qkvshare_cli", {"yaml", "qkvshare_cli", "qkvshare_settings"}),
+        ("qkvshare_settings", {"yaml", "qkvshare_settings"}),
+    ):
+        imports = {module for path in (ROOT / package).rglob("*.py") for module, _ in _third_party_imports(path)}
+        assert imports <= allowed, package
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -456,13 +477,15 @@ CI_SUCCESS = [
     "python -m pytest -q -n 2 --dist loadfile",
     "ruff check .",
     "ruff format --check .",
+    "lint-imports",
 ]
 
 
 def _shim(path: Path, name: str, then: str = "") -> None:
     """A fake `name` that logs its arguments, fails when they are $CI_FAIL, else runs `then`."""
     path.write_text(
-        f'#!/usr/bin/env bash\necho "{name} $*" >> "$CI_LOG"\n[ "{name} $*" = "$CI_FAIL" ] && exit 1\n{then}\nexit 0\n'
+        f'#!/usr/bin/env bash\ncall="{name}${{*:+ $*}}"\necho "$call" >> "$CI_LOG"\n[ "$call" = "$CI_FAIL" ] && exit 1\n'
+        f"{then}\nexit 0\n"
     )
     path.chmod(0o755)
 
@@ -474,6 +497,7 @@ def _shim(path: Path, name: str, then: str = "") -> None:
         ("python -m pytest -q -n 2 --dist loadfile", 1, CI_SUCCESS),
         ("ruff check .", 1, CI_SUCCESS),
         ("ruff format --check .", 1, CI_SUCCESS),
+        ("lint-imports", 1, CI_SUCCESS),
         ("pip install -e .[dev]", 1, CI_SUCCESS[:3]),
     ],
 )
@@ -486,8 +510,13 @@ def test_ci_script_fails_when_any_step_fails(tmp_path, fail, status, calls):
     shims.mkdir()
     # `python3 -m venv .venv` gives pip and python; the dev extra (`pip install -e .[dev]`) brings ruff.
     _shim(shims / "ruff", "ruff")
+    _shim(shims / "lint-imports", "lint-imports")
     _shim(shims / "python", "python")
-    _shim(shims / "pip", "pip", f'[ "$*" = "install -e .[dev]" ] && cp {shims}/ruff {venv}/bin/ruff')
+    _shim(
+        shims / "pip",
+        "pip",
+        f'[ "$*" = "install -e .[dev]" ] && cp {shims}/ruff {shims}/lint-imports {venv}/bin/',
+    )
     (shims / "bin").mkdir()
     _shim(
         shims / "bin/python3",
@@ -499,11 +528,11 @@ def test_ci_script_fails_when_any_step_fails(tmp_path, fail, status, calls):
     proc = subprocess.run(["bash", str(repo / ".ci/run")], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == status, proc.stderr
     assert (tmp_path / "log").read_text().splitlines() == ["python3 -m venv .venv", *calls]
-    assert ("ruff is not in" in proc.stderr) == (fail == "pip install -e .[dev]")
+    assert ("ruff or lint-imports is not in" in proc.stderr) == (fail == "pip install -e .[dev]")
 
 
 def test_default_outputs_are_ignored_by_git():
-    sources = "\n".join(p.read_text() for p in (ROOT / "qkvshare_cli").rglob("*.py"))
+    sources = "\n".join(p.read_text() for p in (ROOT / "qkvshare_settings").rglob("*.py"))
     defaults = set(re.findall(r"""["']--output_dir["'],\s*default=["']([^"']+)["']""", sources))
     defaults |= set(re.findall(r"""\boutput_dir(?:: str =|=)\s*(?:field\(\s*default=)?["']([^"']+)["']""", sources))
     defaults |= {

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from commands import command
 from test_convert import HEAD_DIM, HEADS, VOCAB
 from test_convert import llama as tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -20,8 +21,9 @@ from qkvshare import QKVShareCache
 from qkvshare.convert import convert, save_converted
 from qkvshare.convert.data import documents, split_documents, split_of
 from qkvshare.convert.transfer import StopAfter, TransferSettings, run_stages
-from qkvshare.train.pretrain import main as train_main
 from qkvshare.train.tokenizer import train_bpe_tokenizer
+
+train_main = command("train")
 
 
 def llama(kv_heads: int = 2, seed: int = 0, layers: int = 2, **overrides) -> LlamaForCausalLM:
@@ -263,6 +265,20 @@ def convert_argv(source_dir: Path, corpus: Path, out: Path, *extra: str) -> list
     ]
 
 
+def test_cli_transfer_with_a_cache_budget_and_no_distillation_prints_its_summary(source_dir, corpus, tmp_path, capsys):
+    """`--cache_budget F --distill_tokens 0` saved the model, then ended in an IndexError in the summary (no stage (c):
+    no distill errors to average over the tied layers)."""
+    import qkvshare_cli
+
+    out = tmp_path / "out"
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, out, "--cache_budget", "0.75")) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "conversion.json").read_text())
+    assert "distill" not in record["layer_errors"] and record["cache_budget"]["tied_layers"]
+    assert "cache budget 0.75: tied layers" in printed and f"model directory: {out.resolve()}" in printed
+    assert "error (distill)" not in printed and "error (converted): " in printed
+
+
 def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, tmp_path, capsys):
     import qkvshare_cli
 
@@ -317,8 +333,7 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
     monkeypatch.setattr(transfer, "normalised_mse", killed_at_the_17th_step)
     out = tmp_path / "resumed"
     argv = convert_argv(source_dir, corpus, out, "--seed", "3")
-    with pytest.raises(KeyboardInterrupt):
-        qkvshare_cli.main(argv)
+    assert qkvshare_cli.main(argv) == 130  # Ctrl-C: "qkvshare convert: interrupted.", what was saved stays
     work = tmp_path / ".resumed.qkvshare-convert"
     assert not out.exists() and (work / "plan.json").is_file()
     assert (work / "stages" / "transfer" / "layer-000.safetensors").is_file()  # layer 0 finished before the kill

@@ -8,14 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
+from commands import command
 
 from qkvshare.analysis.common import parse_overrides as analysis_overrides
 from qkvshare.train.data import check_data_file, is_validation_file, load_corpus, stdlib_corpus, unique_documents
 from qkvshare.train.model import parse_config_overrides
-from qkvshare.train.pretrain import main as train_main
 from qkvshare.train.tokenizer import CHAT_TEMPLATE, load_tokenizer, train_bpe_tokenizer
-from qkvshare_cli.overrides import format_overrides, parse_overrides
-from qkvshare_cli.train import DataArguments, TrainingSetupError
+from qkvshare_settings.overrides import format_overrides, parse_overrides
+from qkvshare_settings.train import DataArguments, TrainingSetupError
+
+train_main = command("train")
 
 DOCS = [f"document {i}: " + "alpha beta gamma " * (i % 4 + 1) for i in range(40)]
 
@@ -341,7 +343,7 @@ def test_trained_tokenizer_has_model_length_and_chat_template(tmp_path):
 def test_recipe_config_overrides_mapping_keeps_nulls_and_lists(tmp_path):
     """A recipe's `config_overrides` mapping reaches the config with its YAML types (null stays None, lists stay
     lists), not as the strings 'None' / "['none', 'kv']"."""
-    from qkvshare_cli.train import load_yaml
+    from qkvshare_settings.train import load_yaml
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

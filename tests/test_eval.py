@@ -24,14 +24,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DistilBertConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.cli import main as cli
+from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
 from qkvshare.evaluation import harness
-from qkvshare.evaluation.common import NonFiniteResultError, kv_cache_bytes_per_token
+from qkvshare.evaluation.common import NonFiniteResultError
 from qkvshare.evaluation.perplexity import pack, perplexity, windows
 from qkvshare.evaluation.tasks import FIXTURES_DIR, OFFLINE_TASKS
 from qkvshare.train.tokenizer import train_bpe_tokenizer
-from qkvshare_cli.conventions import DTYPE_NAMES, slug
-from qkvshare_cli.eval import DEFAULT_TASKS
+from qkvshare_cli import main as cli
+from qkvshare_settings.conventions import DTYPE_NAMES, slug
+from qkvshare_settings.eval import DEFAULT_TASKS
 
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -531,8 +532,8 @@ def test_perplexity_non_finite_loss_is_reported_not_printed(checkpoint, tmp_path
 
 
 def test_dtype_names_are_the_same_in_every_command(capsys):
-    from qkvshare_cli import bench, perplexity
-    from qkvshare_cli import eval as eval_cli
+    from qkvshare_settings import bench, perplexity
+    from qkvshare_settings import eval as eval_cli
 
     parsers = {
         "eval": lambda d: eval_cli.parse_args(["m", "--dtype", d]).dtype,

@@ -11,23 +11,23 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from safetensors import SafetensorError
 from test_core import tiny
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import qkvshare_cli
 from qkvshare import QKVShareForCausalLM
-from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
+from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES, llama_differences
 from qkvshare.export import write_beside
 from qkvshare.export_llama import (
     gguf_pre_tokenizer,
     gguf_problems,
-    llama_problems,
     permute_for_llama_cpp,
     to_llama,
 )
 from qkvshare.train.tokenizer import train_bpe_tokenizer
-from qkvshare_cli.export import check_output
+from qkvshare_settings.export import check_output
 
 WIDE = dict(hidden_size=32, initializer_range=0.3)  # large weights: logits far apart, greedy tokens vary
 PRE = dict(kv_tie_point="pre_rope")
@@ -98,7 +98,7 @@ def ids(config, length: int = 7) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(LLAMA_VARIANTS))
 def test_llama_variants_become_a_llama_model_with_equal_logits(name):
     config = LLAMA_VARIANTS[name]
-    assert llama_problems(config) == []
+    assert llama_differences(config) == []
     model = build(config)
     llama = to_llama(model)
     assert type(llama) is LlamaForCausalLM and llama.config.num_key_value_heads == config.num_key_value_heads
@@ -115,7 +115,7 @@ def test_llama_variants_become_a_llama_model_with_equal_logits(name):
 @pytest.mark.parametrize("name", list(NOT_LLAMA))
 def test_variants_that_are_not_llama_are_refused_with_the_reason(name):
     config, reason = NOT_LLAMA[name]
-    problems = "; ".join(llama_problems(config))
+    problems = "; ".join(llama_differences(config))
     assert reason in problems, problems
 
 
@@ -258,3 +258,43 @@ def test_write_beside_moves_a_complete_output_into_place_only(tmp_path):
         write_beside(tmp_path / "llama", folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "model.onnx"]
     shutil.rmtree(tmp_path / "llama")
+
+
+def test_an_existing_output_is_kept_unless_overwrite_and_then_replaced_only_when_complete(
+    tied_model_dir, tmp_path, capsys
+):
+    """`export --format gguf --output EXISTING_FILE` replaced a file that was not ours, silently (rc 0)."""
+    output = tmp_path / "notes.gguf"
+    output.write_bytes(b"somebody's file")
+    argv = ["export", str(tied_model_dir), "--format", "gguf", "--output", str(output), "--check_tokens", "0"]
+    assert qkvshare_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--output {output} already exists (15 bytes); pass --overwrite to replace it" in err
+    assert output.read_bytes() == b"somebody's file"
+    assert qkvshare_cli.main([*argv, "--overwrite"]) == 0
+    assert output.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.gguf"]
+
+
+def test_a_full_disk_is_named_with_the_space_before_and_during_the_write(tied_model_dir, tmp_path, monkeypatch, capsys):
+    """A full disk during `export --format llama` ended in a raw SafetensorError traceback."""
+    import qkvshare.runtime as runtime
+
+    output = tmp_path / "llama"
+    argv = ["export", str(tied_model_dir), "--format", "llama", "--output", str(output), "--check_tokens", "0"]
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: 1000)  # before: refused with both sizes, nothing written
+    assert qkvshare_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the export {output} needs about " in err and "MiB free; free space there or write elsewhere" in err
+    assert "Traceback" not in err and not output.exists()
+    monkeypatch.undo()
+
+    def full(*args, **kwargs):  # during: the disk fills up while safetensors writes (its error wraps the OSError)
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
+
+    monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", full)
+    assert qkvshare_cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"qkvshare export: stopped: the disk holding {output} is full (" in err and "nothing was written" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []

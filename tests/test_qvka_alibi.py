@@ -15,7 +15,7 @@ from qkvshare.cache_qkvshare import ContextValueLayer, ContextValueStaticLayer, 
 from qkvshare.configuration_qkvshare import ARCHITECTURE_STYLES
 from qkvshare.modeling_qkvshare import alibi_slopes
 from qkvshare.synthetic.sweep import SweepArgs, results_table, validate
-from qkvshare_cli import compare as compare_cli
+from qkvshare_settings import compare as compare_cli
 
 VOCAB = 128
 

@@ -7,13 +7,16 @@ import math
 
 import pytest
 import torch
+from commands import command
 from test_core import eager_scores  # the eager-path score recorder shared with the core tests
 
 import qkvshare  # noqa: F401  (registers the Auto classes)
 from qkvshare import QKVShareConfig, QKVShareForSequenceClassification, QKVShareForTokenClassification
 from qkvshare.synthetic.plots import mean_attention_map
-from qkvshare.synthetic.sweep import SweepArgs, get_lr, main, run_sweep
+from qkvshare.synthetic.sweep import SweepArgs, get_lr, run_sweep
 from qkvshare.synthetic.tasks import TASKS, make_dataset, task_targets
+
+main = command("synthetic")
 
 
 def test_task_targets_on_hand_written_examples():

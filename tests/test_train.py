@@ -17,16 +17,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from commands import command
 from safetensors.torch import load_file
 
 import qkvshare  # noqa: F401  (registers the Auto classes)
+import qkvshare_cli
 from qkvshare.train.checkpoint import list_checkpoints, read_state
 from qkvshare.train.data import BlockSchedule, PackedBlocks, is_validation_file, stdlib_corpus, tokenize_documents
 from qkvshare.train.model import build_config
-from qkvshare.train.pretrain import main, setup
+from qkvshare.train.pretrain import setup
 from qkvshare.train.schedule import get_lr
 from qkvshare.train.tokenizer import train_bpe_tokenizer
-from qkvshare_cli.train import TrainingSetupError, parse_args
+from qkvshare_settings.train import TrainingSetupError, parse_args
+
+main = command("train")
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {
@@ -159,7 +163,7 @@ def test_embedded_corpus_split_is_deterministic_and_disjoint():
 def test_hub_style_dataset_in_memory_and_streaming(tmp_path):
     """`--dataset_name` (a local dataset directory stands in for the hub), in memory and streamed per rank."""
     from qkvshare.train.data import StreamingTrainData, load_corpus
-    from qkvshare_cli.train import DataArguments
+    from qkvshare_settings.train import DataArguments
 
     docs = [f"doc {i}: " + "alpha beta gamma " * (i % 5 + 1) + f"end {i}" for i in range(40)]
     (tmp_path / "ds").mkdir()
@@ -294,7 +298,7 @@ CAPTURE_SOURCE = textwrap.dedent(
     """
     import json
     from safetensors.torch import save_file
-    from qkvshare_cli.train import parse_args
+    from qkvshare_settings.train import parse_args
     from qkvshare.train.pretrain import setup, train_step
 
     def capture(args_list, out_prefix):
@@ -390,14 +394,14 @@ def test_multi_gpu_launch_without_gpu_gives_two_gloo_ranks_that_match_one_proces
 KILL_SCRIPT = textwrap.dedent(
     """
     import json, os, signal, sys
-    from qkvshare.train.pretrain import main
+    from qkvshare_cli import main
 
     log = open(sys.argv[1], "w")
     def on_step(step, loss, model):
         log.write(json.dumps([step, loss]) + "\\n"); log.flush()
         if step == 6:
             os.kill(os.getpid(), signal.SIGKILL)
-    sys.exit(main(sys.argv[2:], on_step=on_step))
+    sys.exit(main(["train", *sys.argv[2:]], on_step=on_step))
     """
 )
 
@@ -531,9 +535,7 @@ def test_bad_input_fails_before_training(case, corpus_file, finished_run, tmp_pa
 
 
 def test_cli_dispatches_train(corpus_file, tmp_path, capsys):
-    from qkvshare.cli import main as cli_main
-
-    assert cli_main(["train", *tiny_argv(corpus_file, tmp_path / "cli", "--variant", "Q-GQA-3")]) == 2
+    assert qkvshare_cli.main(["train", *tiny_argv(corpus_file, tmp_path / "cli", "--variant", "Q-GQA-3")]) == 2
     assert "3 key/value heads must divide num_attention_heads=4" in capsys.readouterr().err
 
 

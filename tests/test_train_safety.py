@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import test_train
 import torch
+from commands import command
 from safetensors.torch import load_file
 from test_train import ENV, REPO, launch, run_losses, tiny_argv, without_use_cpu
 
@@ -32,7 +33,9 @@ from qkvshare.train.checkpoint import (
     read_state,
     verify_checkpoint,
 )
-from qkvshare.train.pretrain import main, resume_command
+from qkvshare.train.pretrain import resume_command
+
+main = command("train")
 
 corpus_file = test_train.corpus_file  # the same ~60 kB corpus fixture
 COMMON = ["--max_steps", "6", "--save_steps", "0"]
@@ -107,7 +110,7 @@ def test_second_ctrl_c_quits_at_once_without_saving(corpus_file, tmp_path, capsy
 SIGTERM_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
-    from qkvshare.train.pretrain import main
+    from qkvshare_cli import main
 
     log, go = sys.argv[1], sys.argv[2]
     def on_step(step, loss, model):
@@ -117,7 +120,7 @@ SIGTERM_SCRIPT = textwrap.dedent(
             deadline = time.time() + 120
             while not os.path.exists(go) and time.time() < deadline:
                 time.sleep(0.05)
-    sys.exit(main(sys.argv[3:], on_step=on_step))
+    sys.exit(main(["train", *sys.argv[3:]], on_step=on_step))
     """
 )
 
@@ -432,7 +435,7 @@ def _recipe_txt(tmp: Path) -> str:
 def _missing_tracker() -> str:
     import importlib.util
 
-    from qkvshare_cli.train import TRACKER_PACKAGES
+    from qkvshare_settings.train import TRACKER_PACKAGES
 
     missing = [name for name, module in TRACKER_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if not missing:
@@ -567,7 +570,7 @@ def test_llama_twin_config_gives_llama_the_same_function():
     from transformers import LlamaForCausalLM
 
     from qkvshare import QKVShareConfig, QKVShareForCausalLM
-    from qkvshare.train.model import llama_twin_config
+    from qkvshare.configuration_qkvshare import llama_twin_config
 
     config = QKVShareConfig.from_preset("tiny", variant="GQA-2")
     ours = QKVShareForCausalLM(config).eval()
@@ -632,7 +635,9 @@ FSDP_SCRIPT = textwrap.dedent(
         if rank == 1 and step == stop_at:  # only rank 1 is signalled: both must stop at this step
             os.kill(os.getpid(), signal.SIGTERM)
 
-    sys.exit(pretrain.main(sys.argv[3:], on_step=on_step))
+    import qkvshare_cli
+
+    sys.exit(qkvshare_cli.main(["train", *sys.argv[3:]], on_step=on_step))
     '''
 )
 
@@ -696,7 +701,7 @@ def test_train_help_prints_each_default_once(capsys):
     "(default: None)" appended; plain defaults are still shown."""
     from test_analysis import _help_blocks
 
-    from qkvshare_cli.train import parse_args
+    from qkvshare_settings.train import parse_args
 
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--help"])

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from commands import command
 from transformers import AutoModelForImageClassification, ViTConfig, ViTForImageClassification
 
 import qkvshare  # noqa: F401  (registers the Auto classes)
@@ -278,7 +279,7 @@ def test_cli_on_digits_resumes_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "run"
     tiny_budget = ["--output_dir", str(out), "--epochs", "1", "--max_train", "120", "--max_test", "40"]
     tiny_budget += ["--hidden_size", "16", "--heads", "2", "--workers", "1", "--map_images", "2"]
-    assert vision_run.main([*tiny_budget, "--variants", "QKV", "(Q=K=V)+", "--seeds", "0"]) == 0
+    assert command("vision")([*tiny_budget, "--variants", "QKV", "(Q=K=V)+", "--seeds", "0"]) == 0
     rows = read_rows(out / "results.csv")
     assert [r["variant"] for r in rows] == ["QKV", "(Q=K=V)+"] and {r["test_size"] for r in rows} == {"40"}
     assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
@@ -286,7 +287,7 @@ def test_cli_on_digits_resumes_and_refuses_bad_input(tmp_path, capsys):
     assert (out / "models" / "classify_QKV_s0" / "preprocessor_config.json").exists()
     capsys.readouterr()
     # resume: the finished cells are skipped, a new seed trains only its own cells
-    assert vision_run.main([*tiny_budget, "--variants", "QKV", "(Q=K=V)+", "--seeds", "0", "1", "--no_plots"]) == 0
+    assert command("vision")([*tiny_budget, "--variants", "QKV", "(Q=K=V)+", "--seeds", "0", "1", "--no_plots"]) == 0
     assert "trained 2 cells, skipped 2 finished ones" in capsys.readouterr().out
     rows = read_rows(out / "results.csv")
     assert sorted((r["variant"], r["seed"]) for r in rows) == sorted(
@@ -303,7 +304,7 @@ def test_cli_on_digits_resumes_and_refuses_bad_input(tmp_path, capsys):
         (["--hidden_size", "30", "--heads", "4"], "--hidden_size 30 is not divisible by --heads 4"),
         (["--dataset", str(tmp_path / "missing")], f"--dataset {tmp_path / 'missing'}: could not load it"),
     ):
-        assert vision_run.main([*argv, "--output_dir", str(tmp_path / "bad")]) == 2
+        assert command("vision")([*argv, "--output_dir", str(tmp_path / "bad")]) == 2
         captured = capsys.readouterr()
         assert message in captured.err and "Traceback" not in captured.err
     assert not (tmp_path / "bad").exists()
@@ -312,7 +313,7 @@ def test_cli_on_digits_resumes_and_refuses_bad_input(tmp_path, capsys):
 def test_sets_task_on_digits(tmp_path, capsys):
     argv = ["--task", "sets", "--output_dir", str(tmp_path), "--epochs", "1", "--max_train", "300", "--max_test"]
     argv += ["200", "--hidden_size", "16", "--heads", "2", "--workers", "1", "--no_plots", "--seeds", "0"]
-    assert vision_run.main([*argv, "--variants", "Q-K=V", "(Q=K=V)+"]) == 0
+    assert command("vision")([*argv, "--variants", "Q-K=V", "(Q=K=V)+"]) == 0
     rows = read_rows(tmp_path / "results.csv")
     assert [r["task"] for r in rows] == ["sets", "sets"] and {r["test_size"] for r in rows} == {"200"}
     assert "set accuracy" in (tmp_path / "table.md").read_text()
@@ -377,8 +378,8 @@ def test_hugging_face_dataset_path_on_local_data(tmp_path, capsys):
     # the command end to end on the saved dataset (patch 12 / 4 = 3 -> 16 patches)
     argv = ["--dataset", str(path), "--output_dir", str(tmp_path / "out"), "--epochs", "1", "--hidden_size", "16"]
     argv += ["--heads", "2", "--workers", "1", "--no_plots", "--seeds", "0", "--variants", "Q-MQA"]
-    assert vision_run.main(argv) == 0
+    assert command("vision")(argv) == 0
     (row,) = read_rows(tmp_path / "out" / "results.csv")
     assert (row["train_size"], row["test_size"], row["variant"]) == ("30", "9", "Q-MQA")
-    assert vision_run.main([*argv, "--label_column", "nope"]) == 2
+    assert command("vision")([*argv, "--label_column", "nope"]) == 2
     assert "--label_column: 'nope' is not a column" in capsys.readouterr().err

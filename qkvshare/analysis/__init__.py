@@ -10,5 +10,5 @@
 Each command module exposes `main(argv) -> int` and `execute(args) -> int`, the command with the arguments its
 parser in `qkvshare_cli` returns; `common` (variant configs, tables) and `plotting` hold the shared helpers,
 `conventions` the `torch.dtype` of a `--dtype` name (the command-line conventions themselves are
-`qkvshare_cli.conventions`).
+`qkvshare_settings.conventions`).
 """

@@ -1,6 +1,6 @@
 """`qkvshare bench`: measured cache bytes, decode speed, capacity and training throughput against Llama.
 
-What is measured and how (`qkvshare bench --help`) is written with the command's arguments in `qkvshare_cli.bench`;
+What is measured and how (`qkvshare bench --help`) is written with the command's arguments in `qkvshare_settings.bench`;
 `--decode` is `qkvshare.analysis.bench_decode`. This module builds the models, measures the sections and writes the
 report and the plots.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +28,12 @@ from qkvshare.analysis.common import (
     variant_config,
     with_fields,
 )
-from qkvshare.analysis.conventions import torch_dtype
+from qkvshare.analysis.measure import copy_twin_weights, held_nbytes, synchronize
 from qkvshare.analysis.plotting import line_plot
-from qkvshare.train.model import count_parameters, llama_twin_config
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.bench import shape_preset
-from qkvshare_cli.conventions import report_bad_input
+from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token, llama_differences, llama_twin_config
+from qkvshare.runtime import torch_dtype
+from qkvshare.train.model import count_parameters
+from qkvshare_settings.bench import shape_preset
 
 
 @dataclass
@@ -66,18 +65,6 @@ class Setup:
 # ----------------------------------------------------------------------------------------------------------------
 # models
 # ----------------------------------------------------------------------------------------------------------------
-def is_llama_style(config) -> bool:
-    """Whether a QKVShare config computes exactly what `LlamaForCausalLM` computes when nothing is shared."""
-    return (
-        config.norm_type == "rmsnorm"
-        and config.mlp_type == "gated"
-        and config.position_embedding_type == "rope"
-        and config.attention_map_pe_dim == 0
-        and config.is_causal
-        and config.attention_kernel == "softmax"
-    )
-
-
 def llama_name(kv_heads: int, heads: int) -> str:
     return "Llama" if kv_heads == heads else ("Llama MQA" if kv_heads == 1 else f"Llama GQA-{kv_heads}")
 
@@ -115,7 +102,9 @@ def build_candidates(setup: Setup, attn_implementation: str, seed: int) -> list[
         llama = LlamaForCausalLM(lcfg).to(device=device, dtype=dtype).eval()
         ref = Candidate(llama_name(kv, base.num_attention_heads), llama, True, kv, lcfg)
         twins = [
-            c for c in cands if c.kv_heads == kv and c.config.projection_sharing == "none" and is_llama_style(c.config)
+            c
+            for c in cands
+            if c.kv_heads == kv and c.config.projection_sharing == "none" and not llama_differences(c.config)
         ]
         if twins:  # same computation: copy the weights and check the logits agree
             twin = twins[0]
@@ -128,40 +117,14 @@ def build_candidates(setup: Setup, attn_implementation: str, seed: int) -> list[
     return cands
 
 
-def copy_twin_weights(llama, twin, vocab_size: int, device) -> float:
-    """Load the weights of ``twin`` (QKVShare, nothing shared, Llama-style) into ``llama``; return the max |logit
-    difference| of the two on 16 random tokens (0 up to float rounding: the same computation)."""
-    llama.load_state_dict(twin.state_dict(), strict=True)
-    ids = torch.randint(0, vocab_size, (1, 16), device=device)
-    with torch.inference_mode():
-        return (llama(ids).logits.float() - twin(ids).logits.float()).abs().max().item()
-
-
-def cache_nbytes(cache) -> int:
-    """Bytes a cache holds: `QKVShareCache.nbytes()`, or the key and value tensors of a transformers cache."""
-    if hasattr(cache, "nbytes"):
-        return int(cache.nbytes())
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-
-
 def theory_bytes(c: Candidate, tokens: int, element_size: int) -> int:
     """Theoretical KV-cache bytes for ``tokens`` cached tokens (all sequences together), positions included."""
-    if c.is_llama:
-        cfg = c.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return 2 * cfg.num_hidden_layers * c.kv_heads * head_dim * element_size * tokens
-    positions = 8 * tokens if c.config.needs_key_positions else 0  # int64 position of every cached token
-    return c.config.kv_cache_bytes_per_token(element_size) * tokens + positions
+    return kv_cache_bytes_per_token(c.config, element_size, positions=True) * tokens
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # measurements
 # ----------------------------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prefill_and_decode(
     model, input_ids: torch.Tensor, new_tokens: int, clock: Callable[[], float] = time.perf_counter
 ) -> dict[str, float]:
@@ -171,18 +134,18 @@ def prefill_and_decode(
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
-        _sync(device)
+        synchronize(device)
         t0 = clock()
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
-        _sync(device)
+        synchronize(device)
         t1 = clock()
         cache = out.cache
-        nbytes = cache_nbytes(cache)
+        nbytes = held_nbytes(cache)
         for _ in range(new_tokens):
             out = model(input_ids=token, cache=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
-        _sync(device)
+        synchronize(device)
         t2 = clock()
     result = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "cache_bytes": nbytes}
     if device.type == "cuda":
@@ -337,7 +300,7 @@ def measure_train(
 
     def step(c: Candidate) -> dict[str, float]:
         model, opt = state[c.name]
-        _sync(device)
+        synchronize(device)
         t0, cpu0 = clock(), time.process_time()
         for _ in range(steps):
             with torch.autocast(device.type, dtype=dtype, enabled=autocast):
@@ -345,7 +308,7 @@ def measure_train(
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         return {"step_s": (clock() - t0) / steps, "cpu_s": (time.process_time() - cpu0) / steps}
 
     runs = interleaved(cands, reps, warmup, step, "train")
@@ -716,29 +679,17 @@ def write_report(args: argparse.Namespace, setup: Setup, report: dict[str, Any])
     return text_md
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare bench ARGV` (also `python -m qkvshare.analysis.bench`); returns the exit status."""
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: argparse.Namespace) -> int:
-    """`qkvshare bench` with its parsed arguments: check, build the models, measure, write."""
-    try:
-        setup = resolve_setup(args)
-    except ValueError as err:
-        return report_bad_input("bench", err)
+def run_bench(args: argparse.Namespace) -> None:
+    """`qkvshare bench`: check the settings (a `ValueError` before any model is built), build the models, measure,
+    print and write the report."""
+    setup = resolve_setup(args)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.decode:
         bench_decode.run(args, setup)
-        return 0
+        return
     cands = build_candidates(setup, args.attn_implementation, args.seed)
     report = measure(args, setup, cands)
     write_report(args, setup, report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

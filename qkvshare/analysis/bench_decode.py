@@ -59,12 +59,18 @@ from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMode
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.analysis.common import available_bytes, markdown_table, model_fields, variant_config
-from qkvshare.analysis.conventions import torch_dtype
+from qkvshare.analysis.common import markdown_table, model_fields, variant_config
+from qkvshare.analysis.measure import copy_twin_weights, held_nbytes, synchronize
 from qkvshare.analysis.plotting import line_plot
-from qkvshare.cache_qkvshare import QKVShareCacheMixin, Rotation, cache_layer_nbytes
-from qkvshare.train.model import llama_twin_config
-from qkvshare_cli.bench import CACHE_KINDS
+from qkvshare.cache_qkvshare import QKVShareCacheMixin, Rotation
+from qkvshare.configuration_qkvshare import (
+    POSITION_BYTES_PER_TOKEN,
+    kv_cache_bytes_per_layer,
+    kv_cache_bytes_per_token,
+    llama_twin_config,
+)
+from qkvshare.runtime import available_bytes, torch_dtype
+from qkvshare_settings.bench import CACHE_KINDS
 
 UNTIED_KINDS = ("dynamic", "static", "static+compile")
 MAX_SPREAD = 0.05  # rounds are added while a cell's spread is above this
@@ -106,8 +112,6 @@ class Cell:
 # ----------------------------------------------------------------------------------------------------------------
 def build_models(base, names: list[str], kinds: list[str], device, dtype, seed: int) -> list[DecodeModel]:
     """The Llama of the shape and the QKVShare rows (random init, ``seed``); `none` gets Llama's weights."""
-    from qkvshare.analysis.bench import copy_twin_weights  # here: bench imports this module
-
     rows: list[DecodeModel] = []
     llama = None
     for name in names:
@@ -171,27 +175,17 @@ def fill_cache(row: DecodeModel, cache, batch: int, context: int, device, dtype)
         raise RuntimeError(f"the filled cache holds {held} tokens, expected {context}")
 
 
-def held_nbytes(cache) -> int:
-    """Bytes a cache holds: `nbytes()` when it has one (QKVShare caches), else the sum over its layers (keys,
-    values, and a quantized layer's quantized states), counted as the QKVShare caches count theirs."""
-    if hasattr(cache, "nbytes"):
-        return int(cache.nbytes())
-
-    return sum(cache_layer_nbytes(layer) for layer in cache.layers)
-
-
 def theory_nbytes(row: DecodeModel, kind: str, batch: int, slots: int, element_size: int, positions: bool) -> int:
     """What the cache should hold: per layer one (tied) or two (B, H_kv, slots, D) tensors; quantized: nbits/8
     bytes per element plus a scale and a shift (``element_size`` each) per `Q_GROUP_SIZE` elements; plus int64
     positions (B, slots) when the model needs them."""
-    tensors = sum(1 if tied else 2 for tied in row.tied_layers)
-    elements = batch * row.kv_heads * slots * row.head_dim
     _, cache_config, _ = CACHE_KINDS[kind]
     if cache_config is None:
-        per_tensor = elements * element_size
-    else:
-        per_tensor = elements * cache_config["nbits"] // 8 + 2 * (elements // Q_GROUP_SIZE) * element_size
-    return tensors * per_tensor + (8 * batch * slots if positions else 0)
+        return kv_cache_bytes_per_token(row.config, element_size, positions) * batch * slots
+    tensors = sum(kv_cache_bytes_per_layer(row.config, 1)) // (row.kv_heads * row.head_dim)
+    elements = batch * row.kv_heads * slots * row.head_dim
+    per_tensor = elements * cache_config["nbits"] // 8 + 2 * (elements // Q_GROUP_SIZE) * element_size
+    return tensors * per_tensor + (POSITION_BYTES_PER_TOKEN * batch * slots if positions else 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -208,8 +202,6 @@ def forward_fn(row: DecodeModel, kind: str):
 
 def run_cell(row: DecodeModel, cell: Cell, new_tokens: int, device, dtype, element_size: int, clock) -> None:
     """Build and fill the cache, one untimed step, then ``new_tokens`` timed steps; append ms/token to ``cell``."""
-    from qkvshare.analysis.bench import _sync
-
     slots = cell.context + 1 + new_tokens  # the fill, the untimed step, the timed ones
     cache = build_cache(row.model, cell.kind, cell.batch, slots)
     try:
@@ -226,11 +218,11 @@ def run_cell(row: DecodeModel, cell: Cell, new_tokens: int, device, dtype, eleme
             positions = torch.full((cell.batch, 1), cell.context, device=device, dtype=torch.long)
             for i in range(1 + new_tokens):  # the first step is untimed (it compiles, for compiled kinds)
                 if i == 1:
-                    _sync(device)
+                    synchronize(device)
                     t0 = clock()
                 logits = step(input_ids=token, position_ids=positions, cache=cache, use_cache=True).logits
                 token, positions = logits[:, -1:].argmax(-1), positions + 1
-            _sync(device)
+            synchronize(device)
             elapsed = clock() - t0
         cell.ms_per_token.append(1e3 * elapsed / new_tokens)
     finally:

@@ -1,7 +1,7 @@
 """Helpers shared by the analysis commands: building configs for variants, tables.
 
 The command-line conventions of every command (help layout, `--dtype` names, file names, the checks of the
-`--preset`/`--model_dir` and list flags) are in `qkvshare_cli.conventions`, with the commands' parsers.
+`--preset`/`--model_dir` and list flags) are in `qkvshare_settings.conventions`, with the commands' parsers.
 
 Design notes
 - A "base" config gives the model shape (a preset, a model directory's config.json, plus overrides); each
@@ -26,9 +26,9 @@ from qkvshare.configuration_qkvshare import (
     llama_config_dict,
     resolve_variant,
 )
-from qkvshare.evaluation.common import read_config_json
-from qkvshare_cli.conventions import check_shape_source
-from qkvshare_cli.overrides import parse_overrides as parse_override_items
+from qkvshare.model_dir import read_config_json
+from qkvshare_settings.conventions import check_shape_source
+from qkvshare_settings.overrides import parse_overrides as parse_override_items
 
 
 def model_fields() -> tuple[str, ...]:
@@ -37,7 +37,7 @@ def model_fields() -> tuple[str, ...]:
 
 
 def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
-    """Parse `--override key=value ...` with the syntax every command shares (`qkvshare_cli.overrides`); keys must
+    """Parse `--override key=value ...` with the syntax every command shares (`qkvshare_settings.overrides`); keys must
     be QKVShareConfig fields. Raises `ValueError` naming the bad item or key. (The commands' parsers check the
     syntax alone, before the configuration module is imported.)
     """
@@ -147,14 +147,3 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines)
-
-
-def available_bytes() -> int | None:
-    """The memory the system can give a process now: MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

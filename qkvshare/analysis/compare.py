@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,10 @@ from typing import Any
 from qkvshare.analysis.common import check_variants, default_variants, markdown_table
 from qkvshare.analysis.plotting import line_plot
 from qkvshare.configuration_qkvshare import QKVShareConfig
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.compare import SHARED_TRAIN_FLAGS
-from qkvshare_cli.conventions import report_bad_input, slug
+from qkvshare.train import train
+from qkvshare_settings.compare import SHARED_TRAIN_FLAGS
+from qkvshare_settings.conventions import CommandStopped, slug
+from qkvshare_settings.train import parse_args as parse_train_args
 
 
 def ordered_variants(preset: str, given: list[str] | None) -> list[str]:
@@ -107,13 +107,22 @@ def _has_checkpoint(run_dir: Path) -> bool:
     return root.is_dir() and any((p / "trainer_state.json").is_file() for p in root.glob("checkpoint-*"))
 
 
-def train_variant(variant: str, run_dir: Path, log_path: Path, train_args: list[str], tokenizer: str | None) -> int:
-    """Train (or resume, or skip) one variant; returns the trainer's exit status."""
-    from qkvshare.train.pretrain import main as pretrain_main
+class ComparisonStopped(CommandStopped):
+    """A variant's training run stopped (its message says why); rerunning the same comparison resumes it."""
 
+    label = ""
+
+    def __init__(self, message: str, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def train_variant(variant: str, run_dir: Path, log_path: Path, train_args: list[str], tokenizer: str | None) -> None:
+    """Train (or resume, or skip) one variant with the trainer's flags `train_args` (`qkvshare train`'s, as text:
+    the comparison passes them through); raises what `train` raises."""
     if (run_dir / "final_metrics.json").is_file():
         print(f"compare: {variant} already finished ({run_dir}); skipping", flush=True)
-        return 0
+        return
     argv = [*train_args, "--output_dir", str(run_dir), "--variant", variant]
     if _has_checkpoint(run_dir):
         argv += ["--resume_from_checkpoint", "latest"]
@@ -134,7 +143,7 @@ def train_variant(variant: str, run_dir: Path, log_path: Path, train_args: list[
             last[0], last[1] = now, cpu
 
         print(f"compare: training {variant} -> {run_dir}", flush=True)
-        return int(pretrain_main(argv, on_step=on_step) or 0)
+        train(parse_train_args(argv), on_step=on_step)
 
 
 def read_log(path: Path) -> dict[int, dict[str, float]]:
@@ -243,36 +252,30 @@ def plot_losses(rows: list[dict[str, Any]], path: Path) -> Path:
     return line_plot(path, series, "optimizer step", "training loss (moving average)", "Pretraining loss")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare compare ARGV` (also `python -m qkvshare.analysis.compare`); returns the exit status."""
-    return cli_main(["compare", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(parsed: tuple[argparse.Namespace, list[str]]) -> int:
-    """`qkvshare compare` with its parsed arguments (its own, and the flags passed to the trainer)."""
+def run_compare(parsed: tuple[argparse.Namespace, list[str]]) -> list[dict[str, Any]]:
+    """`qkvshare compare` with its settings (its own, and the flags passed to the trainer): train every variant that
+    has not finished (resuming those that stopped), then write and print the table; returns its rows. Bad settings
+    are a `ValueError` before any training; a training run that stops is a `ComparisonStopped`."""
     args, passthrough = parsed
-    try:
-        output_dir = Path(args.output_dir)
-        variants = ordered_variants(args.preset, args.variants)
-        plan = run_plan(args.preset, variants, args.position_types)
-        train_args = shared_train_args(args, passthrough)
-        if not args.table_only:
-            check_settings(output_dir, {"train_args": train_args, "variants": [label for label, _, _ in plan]})
-    except ValueError as err:
-        return report_bad_input("compare", err)
+    output_dir = Path(args.output_dir)
+    variants = ordered_variants(args.preset, args.variants)
+    plan = run_plan(args.preset, variants, args.position_types)
+    train_args = shared_train_args(args, passthrough)
+    if not args.table_only:
+        check_settings(output_dir, {"train_args": train_args, "variants": [label for label, _, _ in plan]})
 
     if not args.table_only:
         tokenizer = None
         for label, v, position_type in plan:
             run_dir = output_dir / "runs" / slug(label)
             log_path = output_dir / "logs" / f"{slug(label)}.jsonl"
-            rc = train_variant(v, run_dir, log_path, with_position_type(train_args, position_type), tokenizer)
-            if rc != 0:
-                print(
-                    f"qkvshare compare: training {label} failed (exit {rc}); rerun the same command to resume.",
-                    file=sys.stderr,
-                )
-                return rc
+            try:
+                train_variant(v, run_dir, log_path, with_position_type(train_args, position_type), tokenizer)
+            except CommandStopped as err:
+                raise ComparisonStopped(
+                    f"training {label} failed (exit {err.exit_status}: {err}); rerun the same command to resume.",
+                    err.exit_status,
+                ) from err
             tokenizer = tokenizer or str(run_dir)
 
     tokens_per_step = args.per_device_train_batch_size * args.block_size
@@ -284,8 +287,7 @@ def execute(parsed: tuple[argparse.Namespace, list[str]]) -> int:
     labels = [label for label, _, _ in plan]
     rows = collect(output_dir, labels, tokens_per_step, {label: p for label, _, p in plan if p is not None})
     if not rows:
-        print(f"qkvshare compare: no finished variant under {output_dir / 'runs'}.", file=sys.stderr)
-        return 1
+        raise ComparisonStopped(f"no finished variant under {output_dir / 'runs'}.")
     table = format_table(rows)
     header = (
         f"### Pretraining comparison: preset {args.preset}, {args.max_steps} steps x "
@@ -297,8 +299,4 @@ def execute(parsed: tuple[argparse.Namespace, list[str]]) -> int:
     (output_dir / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot = plot_losses(rows, output_dir / "loss_curves.png")
     print(f"wrote {output_dir / 'compare.md'}, compare.json, {plot.name}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return rows

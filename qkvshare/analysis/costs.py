@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 import torch
@@ -49,9 +48,7 @@ from qkvshare.analysis.common import (
     variant_config,
 )
 from qkvshare.configuration_qkvshare import QKVShareConfig
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input
-from qkvshare_cli.costs import BYTES_PER_ELEMENT, DEFAULT_CONTEXT_LENS, DEFAULT_SEQ_LENS
+from qkvshare_settings.costs import BYTES_PER_ELEMENT, DEFAULT_CONTEXT_LENS, DEFAULT_SEQ_LENS
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -319,17 +316,10 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare costs ARGV` (also `python -m qkvshare.analysis.costs`); returns the exit status."""
-    return cli_main(["costs", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: argparse.Namespace) -> int:
-    """`qkvshare costs` with its parsed arguments; returns the exit status (2 for bad input)."""
-    try:
-        base, variants = base_and_variants(args.preset, args.model_dir, args.override, args.variants, plus=True)
-    except ValueError as err:
-        return report_bad_input("costs", err)
+def run_costs(args: argparse.Namespace) -> dict[str, Any]:
+    """`qkvshare costs`: the cost report of every variant (printed as markdown or JSON, written to `args.output`
+    when given), returned as a dict. Bad settings are a `ValueError` before anything is built."""
+    base, variants = base_and_variants(args.preset, args.model_dir, args.override, args.variants, plus=True)
     notes: list[str] = []
     seq_lens = resolve_lengths("seq_lens", args.seq_lens, DEFAULT_SEQ_LENS, base.max_position_embeddings, notes)
     context_lens = resolve_lengths(
@@ -343,8 +333,4 @@ def execute(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from qkvshare_cli.extras import require
+from qkvshare_settings.extras import require
 
 
 def pyplot(feature: str, hint: str = "") -> ModuleType:

@@ -5,8 +5,8 @@ finished cell is appended to `results.csv` at once (and its loss curve to a JSON
 sweep loses at most the cells in flight, and a rerun trains only the keys not in the CSV yet (`pending`). A cell
 trains with `train_steps` (warmup then cosine to 0, gradient clipping), whose row ends with `RUN_FIELDS`.
 
-The commands' arguments (one flag per field of `SweepArgs` / `VisionArgs`) are `qkvshare_cli.synthetic` and
-`qkvshare_cli.vision`.
+The commands' arguments (one flag per field of `SweepArgs` / `VisionArgs`) are `qkvshare_settings.synthetic` and
+`qkvshare_settings.vision`.
 """
 
 from __future__ import annotations

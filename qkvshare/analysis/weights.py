@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,8 @@ import torch
 from safetensors import safe_open
 
 from qkvshare.analysis.common import markdown_table
-from qkvshare.configuration_qkvshare import mode_for_projections
-from qkvshare.evaluation.common import read_config_json, weight_files
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input
+from qkvshare.configuration_qkvshare import SHARING_MODES, QKVShareConfig, SharingMode
+from qkvshare.model_dir import check_weights_fit_config, read_config_json, weight_files
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
 
@@ -63,15 +61,14 @@ def load_qkv_weights(model_dir: str | Path) -> dict[int, dict[str, torch.Tensor]
     return layers
 
 
-def layer_modes(layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, str]:
-    """Sharing mode per layer, inferred from the tensors present (`analyze` checked them against the config)."""
-    modes = {}
-    for i, projs in layers.items():
-        try:
-            modes[i] = mode_for_projections(f"{name}_proj" for name in projs).name
-        except ValueError as err:
-            raise ValueError(f"layer {i}: {err}") from None
-    return modes
+def layer_modes(config: dict[str, Any], layers: Iterable[int]) -> dict[int, SharingMode]:
+    """Sharing mode per layer, from the checkpoint's config (`analyze` checked the tensors against it): a QKVShare
+    config says each layer's mode; a Llama-architecture checkpoint has every projection. (Not from the tensors
+    present: two modes may share a projection set, e.g. a query taken from the key or from the value.)"""
+    if config.get("model_type") != QKVShareConfig.model_type:
+        return dict.fromkeys(layers, SHARING_MODES["none"])
+    parsed = QKVShareConfig.from_dict(config)
+    return {i: parsed.layer_mode(i) for i in layers}
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,11 +118,9 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
             "[G ; V_i] W_i^K, computed from the context and the value), so W_q/W_k/W_v cosines and ranks are not "
             "defined for it; analyze the other variants."
         )
-    from qkvshare.model_dir import check_weights_fit_config
-
     check_weights_fit_config(model_dir)  # a config.json from another model: every odd tensor named, none read
     layers = load_qkv_weights(model_dir)
-    modes = layer_modes(layers)
+    modes = layer_modes(config, layers)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -133,13 +128,13 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
     for i in sorted(layers):
         p = layers[i]
         wk = p["k"]
-        wq = p.get("q", wk)  # Q=K: the query is the key projection
-        wv = p.get("v", wk)  # K=V: the value is the key projection
+        wq = wk if modes[i].query_is_key else p["q"]  # Q=K: the query is the key projection
+        wv = wk if modes[i].kv_tied else p["v"]  # K=V: the value is the key projection
         wk_x, wv_x = expand_kv(wk, heads, kv_heads, head_dim), expand_kv(wv, heads, kv_heads, head_dim)
         rows.append(
             {
                 "layer": i,
-                "mode": modes[i],
+                "mode": modes[i].name,
                 "cos_qk": cosine(wq, wk_x),
                 "cos_qv": cosine(wq, wv_x),
                 "cos_kv": cosine(wk, wv),
@@ -195,23 +190,18 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join([title, "", markdown_table(headers, rows)])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare analyze ARGV` (also `python -m qkvshare.analysis.weights`); returns the exit status."""
-    return cli_main(["analyze", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: argparse.Namespace) -> int:
-    """`qkvshare analyze` with its parsed arguments; returns the exit status (2 for bad input)."""
+def run_analyze(args: argparse.Namespace) -> dict[str, Any]:
+    """`qkvshare analyze`: the report of `analyze(args.model)`, printed as markdown or JSON (and written to
+    `args.output` when given), and returned. A directory that is not an analysable checkpoint is a `ValueError`."""
     try:
         report = analyze(args.model)
-    except (ValueError, KeyError) as err:
-        return report_bad_input("analyze", err)
+    except KeyError as err:  # a config.json or weights without a field or tensor the analysis reads
+        raise ValueError(
+            f"{args.model}: {err} is missing from its config.json or weights; pass a QKVShare or Llama-architecture "
+            "model directory saved with save_pretrained."
+        ) from err
     text = json.dumps(report, indent=2) if args.format == "json" else format_markdown(report)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

@@ -1,16 +1,19 @@
 """`qkvshare convert`: turn a pretrained Llama-architecture checkpoint into a QKVShare model of any variant.
 
 The method (head pooling, the K=V methods and their calibrated fit, Q=K, the recorded errors) is written with the
-command's arguments in `qkvshare_cli.convert`, and `qkvshare convert --help` prints it. From Python:
-`convert(model, "Q-MQA", calibration_ids=ids)` on a `LlamaForCausalLM` (Mistral, Qwen2) object, or
-`convert(model, "Q-K=V", "transfer", calibration_ids=ids, validation_ids=held_out, cache_budget=0.75)`.
+command's settings in `qkvshare_settings.convert`, and `qkvshare convert --help` prints it. From Python, the whole
+command is `convert_checkpoint(ConvertArgs(SRC, OUT, "Q-K=V", method="transfer"))`, which returns the record; the
+conversion of a model object alone is `convert(model, "Q-MQA", calibration_ids=ids)` on a `LlamaForCausalLM`
+(Mistral, Qwen2), or `convert(model, "Q-K=V", "transfer", calibration_ids=ids, validation_ids=held_out,
+cache_budget=0.75)`.
 
 Layout: `weights` (pooled heads, the converted attention weights, the head-map fit and its fold into o_proj),
 `calibration` (calibration text, the source's hidden states, `calibrate`), `conversion` (the plan and every check
 before any weight is read, `convert` and its record), `io` (sources: directories, .gguf files, tokenizers; saving
 all or nothing), `data` (the embedded mixed prose + code calibration text and its splits), `transfer` (stages (a)
 closed-form o_proj and (b) attention transfer of `--method transfer`), `budget` (`--cache_budget`'s layer choice),
-`distill` (stage (c) through `qkvshare train --teacher`), `cli` (the command's run). Every public name is
+`distill` (stage (c) through `qkvshare.train.distill`), `pipeline` (`convert_checkpoint`, the whole command).
+Sources are read by `qkvshare.model_dir` (`load_source`, `read_source_config`, ...). Every public name is
 importable from `qkvshare.convert`.
 """
 
@@ -26,17 +29,10 @@ from qkvshare.convert.calibration import (
     min_calibration_tokens,
     source_streams,
 )
-from qkvshare.convert.cli import execute, main, run
-from qkvshare.convert.conversion import ConversionRecord, budget_model, check_architecture, convert, plan_conversion
-from qkvshare.convert.distill import DistillSettings, run_distillation
-from qkvshare.convert.io import (
-    ConversionWriteError,
-    load_source,
-    load_source_tokenizer,
-    publish,
-    read_source_config,
-    save_converted,
-)
+from qkvshare.convert.conversion import ConversionRecord, budget_model, convert, plan_conversion
+from qkvshare.convert.distill import run_distillation
+from qkvshare.convert.io import ConversionWriteError, publish, save_converted
+from qkvshare.convert.pipeline import DistillationStopped, convert_checkpoint
 from qkvshare.convert.transfer import TransferSettings, run_stages
 from qkvshare.convert.weights import (
     attention_state,
@@ -45,7 +41,8 @@ from qkvshare.convert.weights import (
     fold_into_o_proj,
     pooling_matrix,
 )
-from qkvshare_cli.convert import (
+from qkvshare.model_dir import check_architecture, load_source, load_source_tokenizer, read_source_config
+from qkvshare_settings.convert import (
     CALIBRATIONS,
     CONVERT_OVERRIDES,
     DEFAULT_CALIBRATION,
@@ -56,9 +53,14 @@ from qkvshare_cli.convert import (
     KV_METHODS,
     QUERY_METHODS,
     RECORD_FILE,
+    ConvertArgs,
 )
+from qkvshare_settings.train import DistillSettings
 
 __all__ = [
+    "ConvertArgs",
+    "convert_checkpoint",
+    "DistillationStopped",
     "ConversionRecord",
     "TransferSettings",
     "run_stages",
@@ -82,9 +84,6 @@ __all__ = [
     "load_source_tokenizer",
     "calibration_ids",
     "calibration_texts",
-    "main",
-    "execute",
-    "run",
     # also importable as before the split into modules
     "CONVERT_OVERRIDES",
     "DEFAULT_CALIBRATION",

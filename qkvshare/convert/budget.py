@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from qkvshare.configuration_qkvshare import kv_cache_bytes_per_layer, kv_cache_bytes_per_token
+
 
 @dataclass
 class BudgetChoice:
@@ -29,11 +31,6 @@ class BudgetChoice:
     @property
     def fraction(self) -> float:
         return self.kv_bytes_per_token / self.source_kv_bytes_per_token
-
-
-def layer_bytes(config: Any, cached_tensors: int, bytes_per_element: int = 2) -> int:
-    """Bytes one layer caches per token with `cached_tensors` tensors of the config's key/value heads."""
-    return cached_tensors * config.num_key_value_heads * config.head_dim * bytes_per_element
 
 
 def check_cache_budget(config: Any, method: str | None, source_kv_heads: int, budget: float | None) -> float | None:
@@ -58,8 +55,8 @@ def check_cache_budget(config: Any, method: str | None, source_kv_heads: int, bu
             f"--cache_budget chooses which layers to tie, but variant {config.variant} ties no key to its value; "
             "use a K=V variant (Q-K=V, Q=K=V) or leave --cache_budget out."
         )
-    source_bytes = layer_bytes(config, 2) * config.num_hidden_layers
-    smallest = config.kv_cache_bytes_per_token() / source_bytes
+    source_bytes = kv_cache_bytes_per_token(config, tied=False)
+    smallest = kv_cache_bytes_per_token(config) / source_bytes
     if budget < smallest:
         raise ValueError(
             f"--cache_budget {budget} is below what {config.variant} reaches with every layer tied "
@@ -75,17 +72,14 @@ def choose_tied_layers(config: Any, errors: list[float | None], budget: float) -
     `config` is the fully converted config (every layer in its variant's mode), `errors` one measured error per
     layer (a layer without one is tied last). Ties between equal errors go to the lower layer index."""
     count = config.num_hidden_layers
-    untied, tied_bytes = (
-        layer_bytes(config, 2),
-        [layer_bytes(config, config.layer_mode(i).cached_tensors) for i in range(count)],
-    )
-    source_bytes = untied * count
+    untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
+    source_bytes = sum(untied)
     order = sorted(range(count), key=lambda i: (errors[i] is None, errors[i] if errors[i] is not None else 0.0, i))
     total, tied = source_bytes, []
     for i in order:
         if total <= budget * source_bytes:
             break
-        total -= untied - tied_bytes[i]
+        total -= untied[i] - tied_bytes[i]
         tied.append(i)
     modes = [config.layer_sharing(i) if i in tied else "none" for i in range(count)]
     return BudgetChoice(budget, sorted(tied), modes, total, source_bytes)

@@ -16,8 +16,9 @@ from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.convert import data
 from qkvshare.convert.weights import attention_state, fit_head_maps, fold_into_o_proj
 from qkvshare.modeling_qkvshare import QKVShareAttention
-from qkvshare.train.data import check_data_file
-from qkvshare_cli.convert import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, DEFAULT_RIDGE
+from qkvshare.train.data import check_data_file, load_corpus
+from qkvshare_settings.convert import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, DEFAULT_RIDGE
+from qkvshare_settings.train import DataArguments
 
 # Least squares of d_h unknowns per output needs many more rows than unknowns: at least this many tokens per d_h.
 MIN_TOKENS_PER_HEAD_DIM = 4
@@ -65,9 +66,6 @@ def calibration_texts(
     name or folder (`dataset`: its own validation split, or 5% of its documents); or by default the embedded mixed
     prose and code of `qkvshare.convert.data` (lazy), in a seeded order."""
     if dataset is not None:
-        from qkvshare.train.data import load_corpus
-        from qkvshare_cli.train import DataArguments
-
         corpus = load_corpus(DataArguments(dataset_name=dataset), seed=seed)
         documents = list(corpus.train if split == "train" else corpus.validation)
         random.Random(seed).shuffle(documents)

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, llama_config_dict
+from qkvshare.configuration_qkvshare import llama_config_dict
 from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (
@@ -24,8 +24,9 @@ from qkvshare.convert.transfer import (
     source_log_probs,
 )
 from qkvshare.convert.weights import build_converted
+from qkvshare.model_dir import check_architecture
 from qkvshare.version import __version__
-from qkvshare_cli.convert import (
+from qkvshare_settings.convert import (
     CALIBRATIONS,
     CONVERT_OVERRIDES,
     DEFAULT_CALIBRATION,
@@ -71,19 +72,13 @@ class ConversionRecord:
     transformers_version: str = ""
 
     def mean_error(self, method: str = "converted", layers: list[int] | None = None) -> float | None:
-        """The mean of `method`'s per-layer errors over `layers` (default: every layer that has one)."""
-        errors = self.layer_errors.get(method, [])
+        """The mean of `method`'s per-layer errors over `layers` (default: every layer that has one); None when the
+        method was not run (e.g. no stage (c)) or no chosen layer has an error."""
+        errors = self.layer_errors.get(method)
+        if not errors:
+            return None
         values = [errors[i] for i in (range(len(errors)) if layers is None else layers) if errors[i] is not None]
         return sum(values) / len(values) if values else None
-
-
-def check_architecture(config: dict[str, Any]) -> None:
-    """A `ValueError` naming the supported architectures unless `config` (a config.json dict) is one of them."""
-    if config.get("model_type") not in LLAMA_ARCHITECTURES:
-        raise ValueError(
-            f"the source is model_type={config.get('model_type')!r}, which `qkvshare convert` does not support; "
-            f"supported architectures: {', '.join(LLAMA_ARCHITECTURES)} (Llama-style attention, RMSNorm, SwiGLU, RoPE)."
-        )
 
 
 def plan_conversion(

@@ -35,6 +35,8 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from qkvshare.train.data import stdlib_files
+
 SPLITS = ("train", "validation", "test")
 KINDS = ("code", "prose", "mixed")
 # (split, upper end of its SHA-1 bucket in percent): test first, then validation, the rest train
@@ -72,8 +74,6 @@ def pieces(text: str, max_chars: int = MAX_DOCUMENT_CHARS) -> list[str]:
 @functools.cache
 def _stdlib_sources() -> tuple[Path, list[Path]]:
     """The standard library's .py files, listed once per process (a directory walk of about a thousand files)."""
-    from qkvshare.train.data import stdlib_files
-
     return stdlib_files()
 
 

@@ -1,4 +1,4 @@
-"""Reading a source (a model directory, a .gguf file, their tokenizers) and writing the converted model directory.
+"""Writing the converted model directory (sources are read by `qkvshare.model_dir`).
 
 Writing is all or nothing (`publish`): the directory is written whole into a folder beside the target
 (`.NAME.incomplete`) and moved into place by renames only when complete, so a failed write (a full disk) leaves a
@@ -9,8 +9,6 @@ keep their progress in another folder beside the target (`work_dir_for`).
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -19,72 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError
 
 from qkvshare import QKVShareForCausalLM
-from qkvshare.analysis.conventions import torch_dtype
-from qkvshare.configuration_qkvshare import llama_config_dict
-from qkvshare.convert.conversion import ConversionRecord, check_architecture
-from qkvshare.evaluation.common import read_config_json, weight_files
-from qkvshare.model_dir import check_weights_fit_config
-from qkvshare.train.tokenizer import TOKENIZER_FILES
-from qkvshare_cli.convert import RECORD_FILE, check_source_path
-
-
-def _require_gguf() -> None:
-    """transformers reads GGUF files with the `gguf` package, which no extra of ours installs (one file format)."""
-    if importlib.util.find_spec("gguf") is None:
-        raise ValueError("reading a .gguf file needs the package gguf, which is not installed; pip install gguf.")
-
-
-def read_source_config(source: str) -> dict[str, Any]:
-    """The source's config as a dict, every field filled as transformers' config class fills it, without reading
-    its weights. A directory must hold a supported config.json and weight files (checked complete): a `ValueError`
-    naming the file otherwise."""
-    path = check_source_path(source)
-    if path.is_dir():
-        d = read_config_json(path)
-        check_architecture(d)
-        config = llama_config_dict(d, str(path / "config.json"))
-        weight_files(path)  # none, or a truncated one: said here, not as transformers' OSError after the calibration
-        return config
-    _require_gguf()
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-
-
-def load_source_tokenizer(source: str) -> Any:
-    """The tokenizer saved with the source (a directory's files, or the one inside a .gguf), or None."""
-    path = check_source_path(source)
-    if path.is_file():
-        _require_gguf()
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def load_source(source: str, dtype: torch.dtype | None = None) -> Any:
-    """A Llama-architecture causal LM from a directory or a .gguf file (float32 by default).
-
-    A model loaded from GGUF is de-quantized by transformers but still marked as quantized, which
-    `save_pretrained` refuses; it is copied into a plain model of its class, which saves normally.
-    """
-    dtype = dtype or torch.float32
-    check_architecture(read_source_config(source))  # before reading any weight
-    path = check_source_path(source)
-    if path.is_dir():
-        check_weights_fit_config(path, model_class=AutoModelForCausalLM, label=f"SRC {source!r}")
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    plain_config = copy.deepcopy(loaded.config)
-    if hasattr(plain_config, "quantization_config"):
-        del plain_config.quantization_config
-    plain = type(loaded)(plain_config).to(dtype)
-    with torch.no_grad():
-        plain.load_state_dict(loaded.state_dict(), strict=True)
-    return plain.eval()
+from qkvshare.convert.conversion import ConversionRecord
+from qkvshare.runtime import describe_disk_full, is_disk_full, torch_dtype
+from qkvshare_settings.conventions import CommandStopped
+from qkvshare_settings.convert import RECORD_FILE
 
 
 def save_converted(
@@ -104,7 +43,7 @@ def save_converted(
     return out
 
 
-class ConversionWriteError(RuntimeError):
+class ConversionWriteError(CommandStopped):
     """The converted model directory could not be written; the target is as it was before."""
 
 
@@ -134,9 +73,11 @@ def publish(write: Callable[[Path], None], out: str | Path) -> Path:
     staging.mkdir()
     try:
         write(staging)
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, SafetensorError) as err:
         shutil.rmtree(staging, ignore_errors=True)
         reason = " ".join(str(err).split())
+        if is_disk_full(err):
+            reason = f"{describe_disk_full(out.parent)}; {reason}"
         kept = f"the previous model directory {str(out)!r} is unchanged" if out.exists() else "nothing was written"
         raise ConversionWriteError(
             f"could not write the converted model ({reason}); {kept}. Free space (or fix the cause) and rerun."

@@ -10,7 +10,7 @@ Stages (each resumable from a work folder; the errors before and after each go t
 - (a) closed form: per converted layer, two candidate o_proj weights, and the one with the lowest error on the
   held-out (validation) tokens is kept, or the layer as it was when neither is better:
   "per_head", the calibrated method's maps M_h (one d_h x d_h map per query head from the converted head output
-  to the source's, folded into o_proj; `qkvshare_cli.convert`'s docstring), here fitted on the source's hidden
+  to the source's, folded into o_proj; `qkvshare_settings.convert`'s docstring), here fitted on the source's hidden
   states; and "full", o_proj refitted by ridge regression in output space from the features it receives,
   concat_h(P'_h U_g(h)) (P' the converted layer's attention, = P when the key is kept; U its shared key/value), to
   the source layer's attention-block output y, shrunk toward the per-head solution:
@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from qkvshare.analysis.common import available_bytes
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
+from qkvshare.runtime import available_bytes
 from qkvshare.train.schedule import get_lr
-from qkvshare_cli.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
+from qkvshare_settings.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
 ERRORS_FILE = "errors.json"

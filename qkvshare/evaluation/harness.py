@@ -1,6 +1,6 @@
 """`qkvshare eval`: lm-evaluation-harness's official 5-shot suite on one or more models, and the paper's table.
 
-The command's documentation (`qkvshare eval --help`: usage and design) and its arguments are `qkvshare_cli.eval`;
+The command's documentation (`qkvshare eval --help`: usage and design) and its arguments are `qkvshare_settings.eval`;
 this module checks every input, runs lm-eval's `HFLM` on each model and writes the results and the table.
 """
 
@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 
 import yaml
 from tqdm.auto import tqdm
 
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input, slug
-from qkvshare_cli.eval import DEFAULT_TASKS, EvalArgs
-from qkvshare_cli.extras import require
+from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
+from qkvshare.runtime import default_device
+from qkvshare_settings.conventions import slug
+from qkvshare_settings.eval import DEFAULT_TASKS, EvalArgs
+from qkvshare_settings.extras import require
 
 from .common import (
     EvalInputError,
     check_causal_lm,
     check_finite_weights,
-    default_device,
-    kv_cache_bytes_per_token,
     load_tokenizer,
     variant_of,
 )
@@ -177,23 +175,11 @@ def run(args: EvalArgs) -> str:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare eval ARGV` (also `python -m qkvshare.evaluation.harness`); returns the exit status."""
-    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: EvalArgs) -> int:
-    """`qkvshare eval` with its parsed arguments; returns the exit status (2 for bad input)."""
-    try:
-        if args.write_task_yaml:
-            path = write_offline_group(args.data_dir, args.tasks, args.num_fewshot, args.write_task_yaml)
-            print(f"offline task YAML written to {path}; use it as: lm_eval --tasks {path} ...")
-            return 0
-        run(args)
-    except EvalInputError as err:
-        return report_bad_input("eval", err)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def evaluate(args: EvalArgs) -> str | Path:
+    """`qkvshare eval`: the side-by-side table of every model (see `run`), or with `write_task_yaml` the path of the
+    offline task YAML written there. Bad input is an `EvalInputError` (a `ValueError`) before any model loads."""
+    if args.write_task_yaml:
+        path = write_offline_group(args.data_dir, args.tasks, args.num_fewshot, args.write_task_yaml)
+        print(f"offline task YAML written to {path}; use it as: lm_eval --tasks {path} ...")
+        return path
+    return run(args)

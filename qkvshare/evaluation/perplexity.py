@@ -1,7 +1,7 @@
 """`qkvshare perplexity`: token-weighted perplexity of a causal LM on held-out text.
 
 The command's documentation (`qkvshare perplexity --help`: what the number means, and why) and its arguments are
-`qkvshare_cli.perplexity`; this module reads the text, packs it as training does and scores it with a sliding
+`qkvshare_settings.perplexity`; this module reads the text, packs it as training does and scores it with a sliding
 window.
 """
 
@@ -16,17 +16,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input
-from qkvshare_cli.extras import require
-from qkvshare_cli.perplexity import PerplexityArgs
+from qkvshare.runtime import default_device
+from qkvshare.train.data import check_data_file
+from qkvshare_settings.extras import require
+from qkvshare_settings.perplexity import PerplexityArgs
 
 from .common import (
     EvalInputError,
     NonFiniteResultError,
     check_causal_lm,
     check_finite_weights,
-    default_device,
     load_causal_lm,
     load_tokenizer,
 )
@@ -45,9 +44,7 @@ def load_texts(args: PerplexityArgs) -> list[str]:
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise EvalInputError(f"--validation_file must end in {', '.join(FILE_BUILDERS)}; got {path.name!r}.")
-        from qkvshare.train.data import check_data_file  # the trainer's check: not UTF-8, binary, a bad JSON line
-
-        check_data_file(path, "--validation_file", args.text_column, EvalInputError)
+        check_data_file(path, "--validation_file", args.text_column, EvalInputError)  # the trainer's check
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         data = datasets.load_dataset(
             builder, data_files={"validation": str(path.resolve())}, split="validation", **kwargs
@@ -179,8 +176,10 @@ def context_length(config, requested: int | None) -> int:
     return requested
 
 
-def run(args: PerplexityArgs) -> dict:
-    """Check the inputs, load model and data, score; print and optionally save the result."""
+def measure_perplexity(args: PerplexityArgs) -> dict:
+    """`qkvshare perplexity`: check the inputs (an `EvalInputError` before any model loads), load model and data,
+    score; print and optionally save the result, and return it. A NaN or infinite result is a
+    `NonFiniteResultError`."""
     config = check_causal_lm(args.model, args.trust_remote_code)
     max_length = context_length(config, args.max_length)
     stride = args.stride if args.stride is not None else max(1, max_length // 2)
@@ -200,25 +199,3 @@ def run(args: PerplexityArgs) -> dict:
         Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_file).write_text(json.dumps(result, indent=2), encoding="utf-8")
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare perplexity ARGV` (also `python -m qkvshare.evaluation.perplexity`); returns the exit status."""
-    return cli_main(["perplexity", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: PerplexityArgs) -> int:
-    """`qkvshare perplexity` with its parsed arguments; returns the exit status (2 for bad input, 1 for a
-    non-finite result)."""
-    try:
-        run(args)
-    except EvalInputError as err:
-        return report_bad_input("perplexity", err)
-    except NonFiniteResultError as err:
-        print(f"qkvshare perplexity: error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

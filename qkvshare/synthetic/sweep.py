@@ -29,7 +29,7 @@ Design choices
   The QV source's claim (K=V loses least when positions stay out of V) is what `rope` and `alibi` test.
 - `--grid default` (emb 64, 2 layers, 4 heads, length 32, seeds 0-2: 90 cells) is sized for about 15 minutes on
   2 free CPU cores and is the cheapest measured corner of the paper's grid that separates the variants (see the
-  comment on `qkvshare_cli.synthetic.GRIDS`, where the arguments are); `--grid paper` is the paper's full grid
+  comment on `qkvshare_settings.synthetic.GRIDS`, where the arguments are); `--grid paper` is the paper's full grid
   (3 x 2 x 2 x 3 x 3 seeds = 108 runs per variant and task, 3240 in all). Any axis can be overridden
   (`--lengths 16 32`), and the table then covers exactly the cells of the requested grid.
 """
@@ -58,9 +58,8 @@ from qkvshare.configuration_qkvshare import (
     POSITION_EMBEDDING_TYPES,
     resolve_variant,
 )
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input, slug
-from qkvshare_cli.synthetic import TASKS, SweepArgs
+from qkvshare_settings.conventions import slug
+from qkvshare_settings.synthetic import TASKS, SweepArgs
 
 from .plots import plot_attention_maps, plot_loss_curves
 from .tasks import NUM_SYMBOLS, make_dataset
@@ -386,23 +385,17 @@ def results_table(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare synthetic ARGV` (the same as the console command); returns the exit status."""
-    return cli_main(["synthetic", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: SweepArgs) -> int:
-    """`qkvshare synthetic` with its parsed arguments; returns the exit status (2 for bad input)."""
-    try:
-        cells = validate(args)
-    except ValueError as error:
-        return report_bad_input("synthetic", error)
+def run_synthetic(args: SweepArgs) -> SweepResult:
+    """`qkvshare synthetic`: check the settings (a `ValueError` naming the bad one, before any training), run the
+    sweep's missing cells and print its table; returns the sweep's result."""
+    cells = validate(args)
     print(
         f"{len(cells)} cells ({len(args.variants)} variants x {len(args.tasks)} tasks x grid {args.grid!r}: "
         f"{args.axes()}), {args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
     )
-    sweeps.print_sweep_result(run_sweep(args))
-    return 0
+    result = run_sweep(args)
+    sweeps.print_sweep_result(result)
+    return result
 
 
-__all__ = ["SweepArgs", "Cell", "PAPER_TABLE", "get_lr", "run_sweep", "train_cell", "main", "execute"]
+__all__ = ["SweepArgs", "Cell", "PAPER_TABLE", "get_lr", "run_sweep", "train_cell", "run_synthetic"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qkvshare_cli.synthetic import TASKS
+from qkvshare_settings.synthetic import TASKS
 
 NUM_SYMBOLS = 10
 

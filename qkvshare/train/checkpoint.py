@@ -31,7 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from qkvshare_cli.train import TrainingSetupError
+from qkvshare_settings.conventions import CommandStopped
+from qkvshare_settings.train import TrainingSetupError
 
 from .ranks import first_message
 
@@ -55,7 +56,7 @@ _IGNORED_CONFIG_KEYS = {
 }
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(CommandStopped):
     """A checkpoint or the final model could not be written (e.g. a full disk); the message names the last good
     checkpoint and how to continue from it."""
 

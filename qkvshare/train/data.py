@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qkvshare_cli.train import DataArguments, TrainingSetupError
+from qkvshare_settings.train import DataArguments, TrainingSetupError
 
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import LlamaConfig
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from qkvshare import QKVShareConfig
-from qkvshare_cli.train import TrainingSetupError, config_overrides
+from qkvshare_settings.train import TrainingSetupError, config_overrides
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets), matched against torch.cuda.get_device_name().
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
@@ -27,7 +26,7 @@ PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 def parse_config_overrides(text: str | None) -> dict[str, Any]:
     """`'hidden_size=128,tie_word_embeddings=false'` -> `{'hidden_size': 128, 'tie_word_embeddings': False}`.
 
-    The syntax is `qkvshare_cli.overrides.parse_overrides` (shared by every command); keys must be config fields.
+    The syntax is `qkvshare_settings.overrides.parse_overrides` (shared by every command); keys must be config fields.
     """
     overrides = config_overrides(text)
     try:
@@ -38,7 +37,7 @@ def parse_config_overrides(text: str | None) -> dict[str, Any]:
 
 
 def check_flash_attention(name: str | None) -> None:
-    """A flash-attention `--attn_implementation` needs its package (`qkvshare_cli.train.check_args` checked the
+    """A flash-attention `--attn_implementation` needs its package (`qkvshare_settings.train.check_args` checked the
     name); a `TrainingSetupError` otherwise."""
     flash = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
     if name in flash and not flash[name]():
@@ -99,42 +98,3 @@ def peak_flops_per_device(device: torch.device, override_tflops: float | None) -
             if key in name:
                 return tflops * 1e12
     return None
-
-
-def llama_twin_config(
-    config: QKVShareConfig,
-    *,
-    num_key_value_heads: int | None = None,
-    attn_implementation: str | None = None,
-    **fields: Any,
-) -> LlamaConfig:
-    """The `LlamaConfig` of the same shape as `config`: the reference `LlamaForCausalLM` that benchmarks and
-    throughput comparisons set against a QKVShare model (the one home of this mapping).
-
-    Same vocabulary, widths, layers, heads (`num_key_value_heads` overrides the key/value heads, e.g. a GQA
-    reference for a shared variant), positions, norm epsilon, RoPE, biases, activation, tied embeddings and special
-    token ids. Only the shape is copied: for a non-Llama-style config (LayerNorm, plain MLP, learned positions)
-    the twin has the same sizes but computes something else. `fields` are further `LlamaConfig` fields.
-    """
-    return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads if num_key_value_heads is None else num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings,
-        # learned/no positions leave rope_parameters empty; Llama always rotates, with its default theta
-        rope_parameters=config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=config.attention_bias,
-        mlp_bias=config.mlp_bias,
-        hidden_act=config.hidden_act,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        attn_implementation=attn_implementation,
-        **fields,
-    )

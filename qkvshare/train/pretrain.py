@@ -1,15 +1,20 @@
 """`qkvshare train`: pretrain a QKVShare model with Accelerate, from one CPU core to many GPUs.
 
     qkvshare train configs/cpu-small.yaml                       # the README's main job
-    accelerate launch -m qkvshare.train configs/paper-300m.yaml --variant Q-K=V
-    accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare.train configs/paper-1.2b.yaml --variant QKV
+    accelerate launch -m qkvshare_cli train configs/paper-300m.yaml --variant Q-K=V
+    accelerate launch --config_file configs/accelerate/fsdp.yaml -m qkvshare_cli train configs/paper-1.2b.yaml --variant QKV
+
+From Python: `train(parse_args(["configs/cpu-small.yaml"]))` or `train(Arguments(...))` (`qkvshare_settings.train`);
+it returns the final metrics and raises what the command line reports (`TrainingSetupError`, a `ValueError`, for bad
+input; `TrainingDiverged`, `CheckpointWriteError` and `TrainingInterrupted` for a run that stopped, each a
+`CommandStopped` with its exit status).
 
 Design notes
 - One file, small named steps. `setup` runs every check before any heavy work and before anything in
   --output_dir is deleted: `build_model_config` (before anything is written), `make_accelerator`,
   `claim_output_dir` (lock, resume checkpoint), `load_or_train_tokenizer`, `prepare_data`, `build_model`,
-  `restore_checkpoint`, and only then `replace_previous_run` (--overwrite_output_dir). Bad input raises `TrainingSetupError`; `execute` prints it as
-  one paragraph and returns 2. The arguments are `qkvshare_cli.train`'s (parsed and checked without torch).
+  `restore_checkpoint`, and only then `replace_previous_run` (--overwrite_output_dir). Bad input raises
+  `TrainingSetupError`, which the command line prints as one paragraph with exit status 2. The arguments are `qkvshare_settings.train`'s (parsed and checked without torch).
 - Ranks agree on every decision (`ranks.py`): the main process takes the lock and trains the BPE tokenizer and
   hands the result to all; a failed checkpoint write or a stop signal seen by one rank stops all of them at the
   same step.
@@ -48,8 +53,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.model_dir import check_weights_fit_config
-from qkvshare_cli.train import Arguments, TrainingSetupError, check_args, parse_args
+from qkvshare.model_dir import check_weights_fit_config, load_source
+from qkvshare_settings.conventions import CommandStopped
+from qkvshare_settings.train import Arguments, TrainingSetupError, check_args
 
 from .checkpoint import (
     RUN_MARKERS,
@@ -96,16 +102,22 @@ WORLD_SIZE_VARIABLES = ["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_C
 SCHEDULE_FLAGS = ("max_steps", "learning_rate", "warmup_steps", "min_lr_ratio")
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(CommandStopped):
     """The loss became NaN or infinite; the message names the step and the checkpoint to go back to."""
 
 
-class TrainingInterrupted(RuntimeError):
-    """SIGTERM or Ctrl-C stopped the run at a step boundary, after saving a checkpoint; `signum` is the signal."""
+class TrainingInterrupted(CommandStopped):
+    """SIGTERM or Ctrl-C stopped the run at a step boundary, after saving a checkpoint; `signum` is the signal and
+    the exit status is 128 + it, as a shell reports a process ended by that signal."""
 
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
+    label = ""
+
+    def __init__(self, reason: str, signum: int, resume: str = ""):
+        hint = f" Resume with the same command and --resume_from_checkpoint latest: {resume}" if resume else ""
+        super().__init__(reason + hint)
+        self.reason = reason  # what happened, without the hint (for callers that resume otherwise)
         self.signum = signum
+        self.exit_status = 128 + signum
 
 
 @dataclass
@@ -550,8 +562,6 @@ def load_teacher(path: str, config: QKVShareConfig, tokenizer: Any) -> Any:
     teacher_path = Path(path).expanduser()
     label = f"--teacher {path!r}"
     if teacher_path.is_file():
-        from qkvshare.convert import load_source
-
         try:
             model = load_source(str(teacher_path))
         except ValueError as err:
@@ -801,6 +811,7 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
                     f"{signal.Signals(signum).name} received: stopped after step {done} of {t.max_steps} and saved "
                     f"checkpoint {path}.",
                     signum,
+                    resume_command(run.args.command_line),
                 )
     bar.close()
 
@@ -951,53 +962,7 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["qkvshare", "train", *kept, "--resume_from_checkpoint", "latest"])
 
 
-def _is_main_rank() -> bool:
-    """Rank 0 of a distributed launch, or a single process (messages of `main` are printed once)."""
-    from accelerate.utils import get_int_from_env
-
-    return get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0) == 0
-
-
-def main(argv: list[str] | None = None, on_step: Callable[[int, float, Any], None] | None = None) -> int:
-    """Entry point of `accelerate launch -m qkvshare.train` (and of callers in Python): parse argv, then `execute`.
-    Returns the exit status as `execute` does (2 for a bad command line)."""
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except TrainingSetupError as err:
-        return _report(2, f"qkvshare train: error: {err}")
-    return execute(args, on_step=on_step)
-
-
-def execute(args: Arguments, on_step: Callable[[int, float, Any], None] | None = None) -> int:
-    """`qkvshare train` with its parsed arguments. Returns the exit status: 0 done, 1 stopped (non-finite loss, a
-    failed write), 2 bad input, 128 + signal after SIGTERM or Ctrl-C. `on_step`: see `train`."""
-    status, message = 0, None
-    try:
-        train(args, on_step=on_step)
-    except TrainingSetupError as err:
-        status, message = 2, f"qkvshare train: error: {err}"
-    except (TrainingDiverged, CheckpointWriteError) as err:
-        status, message = 1, f"qkvshare train: stopped: {err}"
-    except TrainingInterrupted as err:
-        status = 128 + err.signum
-        message = f"qkvshare train: {err} Resume with the same command and --resume_from_checkpoint latest: " + (
-            resume_command(args.command_line)
-        )
-    except KeyboardInterrupt:
-        status, message = 128 + signal.SIGINT, "qkvshare train: interrupted; nothing saved since the last checkpoint."
-    return _report(status, message)
-
-
-def _report(status: int, message: str | None) -> int:
-    """Print `message` once (from the main rank) and return `status`."""
-    if message is not None and _is_main_rank():
-        print(message, file=sys.stderr, flush=True)
-    return status
-
-
 __all__ = [
-    "main",
-    "execute",
     "train",
     "setup",
     "evaluate",

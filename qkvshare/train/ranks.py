@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from qkvshare_cli.train import TrainingSetupError
+from qkvshare_settings.train import TrainingSetupError
 
 T = TypeVar("T")
 

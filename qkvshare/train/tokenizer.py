@@ -21,8 +21,8 @@ from pathlib import Path
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from qkvshare_cli.conventions import TOKENIZER_FILES
-from qkvshare_cli.train import TrainingSetupError
+from qkvshare_settings.conventions import TOKENIZER_FILES
+from qkvshare_settings.train import TrainingSetupError
 
 EOS_TOKEN = "<|endoftext|>"
 # Byte-level BPE starts from 256 byte symbols plus the special token; leave room for some merges.

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import ViTImageProcessor
 
-from qkvshare_cli.extras import require
+from qkvshare_settings.extras import require
 
 TEST_SPLITS = ("test", "validation", "valid", "val")
 LABEL_COLUMNS = ("label", "labels", "fine_label", "coarse_label")

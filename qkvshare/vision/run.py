@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +41,10 @@ from transformers.utils import logging as hf_logging
 from qkvshare import QKVShareConfig, QKVShareForImageClassification
 from qkvshare.analysis import sweeps
 from qkvshare.configuration_qkvshare import IMAGE_POOLINGS, PATCH_POSITION_EMBEDDING_TYPES, resolve_variant
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input, slug
-from qkvshare_cli.extras import check_extra
-from qkvshare_cli.vision import PAPER_VARIANTS, VisionArgs, check_args, check_choice
+from qkvshare_settings.conventions import slug
+from qkvshare_settings.extras import check_extra
+from qkvshare_settings.variants import PAPER_TABLE_VARIANTS
+from qkvshare_settings.vision import VisionArgs, check_args, check_choice
 
 from .data import default_patch_size, image_processor, load_images
 from .plots import plot_accuracy, plot_attention_maps
@@ -117,7 +116,7 @@ class Cell:
 def validate(args: VisionArgs) -> None:
     """Check every argument before any data is loaded or trained (a ValueError naming the bad one).
 
-    `qkvshare_cli.vision.check_args` (what the command line answers without torch), then the checks that need the
+    `qkvshare_settings.vision.check_args` (what the command line answers without torch), then the checks that need the
     config module.
     """
     check_args(args)
@@ -344,34 +343,24 @@ def results_table(rows: list[dict], args: VisionArgs) -> str:
         mean, std = sweeps.mean_std(float(r["accuracy"]) for r in mine)
         means[variant] = mean
         lines.append(f"| {variant} | {mean:.3f} ± {std:.3f} | {len(mine)} | {int(mine[0]['num_parameters']):,} |")
-    paper = [means[v] for v in PAPER_VARIANTS if v in means]
+    paper = [means[v] for v in PAPER_TABLE_VARIANTS if v in means]
     if len(paper) > 1:
         lines += ["", f"Spread of the paper's variants here (max - min of the means): {max(paper) - min(paper):.3f}."]
     lines += ["", PAPER_NOTES[args.task]]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare vision ARGV` (the same as the console command); returns the exit status."""
-    return cli_main(["vision", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: VisionArgs) -> int:
-    """`qkvshare vision` with its parsed arguments; returns the exit status (2 for bad input)."""
-    try:
-        validate(args)
-    except ValueError as error:
-        return report_bad_input("vision", error)
+def vision(args: VisionArgs) -> sweeps.SweepResult:
+    """`qkvshare vision`: check the settings and the data (a `ValueError` naming the bad one, before any training),
+    run the sweep's missing cells and print its table; returns the sweep's result."""
+    validate(args)
     print(
         f"{args.task}: {len(args.variants)} variants x {len(args.seeds)} seeds on {args.dataset}, "
         f"{args.workers} worker(s) -> {os.path.abspath(args.output_dir)}"
     )
-    try:
-        result = run_vision(args)
-    except ValueError as error:  # bad data (columns, sizes, classes) found while preparing it, before training
-        return report_bad_input("vision", error)
+    result = run_vision(args)  # bad data (columns, sizes, classes) is a ValueError, found before training
     sweeps.print_sweep_result(result)
-    return 0
+    return result
 
 
-__all__ = ["VisionArgs", "Cell", "run_vision", "train_cell", "main", "execute"]
+__all__ = ["VisionArgs", "Cell", "run_vision", "train_cell", "vision"]

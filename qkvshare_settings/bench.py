@@ -46,7 +46,6 @@ DEFAULT_PRESET = "small"  # the shape when neither --preset nor --model_dir is g
 KV_TIE_POINTS = ("post_rope", "pre_rope")  # the values of QKVShareConfig.kv_tie_point
 # `--core`: the settings of the core benchmark (formerly benchmarks/bench_core.py), under any flag given.
 CORE_SETTINGS = dict(
-    variants=["QKV", "Q=K-V", "Q-K=V", "Q=K=V", "GQA-2", "Q-GQA-2", "MQA", "Q-MQA"],
     kv_tie_points=["post_rope", "pre_rope"],
     context_lens=[128, 512, 1024],
     batch_sizes=[4],

@@ -23,8 +23,11 @@ Then the written model generates greedy tokens (the program, or the Llama checkp
 the GGUF read back by transformers' GGUF loader) and the command compares them with the model's.
 
 Bad input (a flag, the directory, a variant the format cannot hold, an output that is one of the model's own
-files or cannot be written) exits with status 2 and one message before the model is loaded. The output is written
-beside its place under a temporary name and moved there when complete.
+files or cannot be written, an existing output without --overwrite) exits with status 2 and one message before the
+model is loaded. The output is written beside its place under a temporary name and moved there only when complete,
+so an existing file (with --overwrite) is replaced whole or not at all.
+
+From Python: `qkvshare.export.export_model(ExportArgs("outputs/cpu-small", "gguf"))`.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import extras
-from .conventions import HelpFormatter, add_dtype_argument
+from .conventions import DTYPE_NAMES, HelpFormatter, add_dtype_argument
 
 # --format: file suffix of the default --output ("" for a folder, written beside the model directory)
 FORMATS = {"executorch": ".pte", "onnx": ".onnx", "llama": "", "gguf": ".gguf"}
@@ -46,11 +50,63 @@ FORMAT_MODULES = {
     "llama": (),
     "gguf": ("gguf",),
 }
+BACKENDS = ("xnnpack", "portable")
 PROGRAM_FORMATS = ("executorch", "onnx")  # programs with the static cache inside: --max_cache_len, --backend
 DEFAULT_MAX_CACHE_LEN = 1024  # at most; never beyond the model's max_position_embeddings
 CHECK_PROMPT_TOKENS = 4  # the random prompt of the token check
 # torch.export traces the program with a 2-token prefill, so the cache needs 2 slots even without the check.
 MIN_PROGRAM_CACHE_LEN = 2
+
+
+@dataclass
+class ExportArgs:
+    """What `qkvshare export` writes (the command's flags and defaults); building one checks what needs no model
+    (a `ValueError` naming the flag). `output` and `max_cache_len` left None take defaults that depend on the model
+    directory, filled in and checked by the export before the model is loaded."""
+
+    model_dir: str  # a QKVShare model directory (save_pretrained, e.g. a `qkvshare train` run)
+    format: str  # executorch, onnx, llama or gguf
+    output: str | None = None  # file (or, for llama, new folder) to write
+    max_cache_len: int | None = None  # token slots of the program's cache (executorch, onnx)
+    batch_size: int = 1  # sequences decoded together (executorch, onnx)
+    backend: str = "xnnpack"  # ExecuTorch kernels: xnnpack or portable
+    dtype: str = "auto"  # weights of the llama and gguf exports; auto: as saved
+    check_tokens: int = 8  # greedy tokens compared between the written model and the model (0: no check)
+    overwrite: bool = False  # replace an existing --output (only once the new one is complete)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """The flags, as far as they go without reading the model, and the packages the format needs."""
+        if self.format not in FORMATS:
+            raise ValueError(f"--format {self.format!r} is not one of {', '.join(FORMATS)}.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}.")
+        if DTYPE_NAMES.get(self.dtype) is None:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of auto, float32, bfloat16, float16.")
+        self.dtype = DTYPE_NAMES[self.dtype]
+        if self.batch_size < 1 or self.check_tokens < 0:
+            raise ValueError(
+                f"--batch_size {self.batch_size} / --check_tokens {self.check_tokens}: need batch_size >= 1 and "
+                "check_tokens >= 0."
+            )
+        if self.format in PROGRAM_FORMATS:
+            if self.dtype != "auto":
+                raise ValueError(
+                    f"--dtype {self.dtype} applies to --format llama and gguf; a {self.format} program keeps the "
+                    "model's dtype: leave --dtype out."
+                )
+            if self.max_cache_len is not None:
+                check_max_cache_len(self.max_cache_len, self.check_tokens)
+        elif self.max_cache_len is not None:
+            raise ValueError(
+                f"--max_cache_len applies to --format executorch and onnx (a program with its cache inside); a "
+                f"{self.format} export holds no cache: leave it out."
+            )
+        missing = [extras.EXTRAS["export"][m] for m in FORMAT_MODULES[self.format] if not extras.is_installed(m)]
+        if missing:
+            raise ValueError(extras.missing_message(f"--format {self.format}", missing, "export"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"most {DEFAULT_MAX_CACHE_LEN:,})",
     )
     p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (executorch, onnx)")
-    p.add_argument(
-        "--backend", choices=["xnnpack", "portable"], default="xnnpack", help="ExecuTorch kernels (executorch only)"
-    )
+    p.add_argument("--backend", choices=BACKENDS, default="xnnpack", help="ExecuTorch kernels (executorch only)")
     add_dtype_argument(p, "auto", "weights of the llama and gguf exports; auto: as saved")
     p.add_argument(
         "--check_tokens",
@@ -79,36 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="greedy tokens generated by the written model and by the model, compared (0: no check)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output file (written beside it first; replaced only when complete)",
+    )
     return p
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line, checked as far as it goes without reading the model (a `ValueError` naming the bad input):
-    the flags and the packages the format needs. `--max_cache_len` and `--output` left out stay None: their defaults
-    depend on the model directory (the command fills them and checks the output with `check_output`)."""
-    args = build_parser().parse_args(argv)
-    if args.batch_size < 1 or args.check_tokens < 0:
-        raise ValueError(
-            f"--batch_size {args.batch_size} / --check_tokens {args.check_tokens}: need batch_size >= 1 and "
-            "check_tokens >= 0."
-        )
-    if args.format in PROGRAM_FORMATS:
-        if args.dtype != "auto":
-            raise ValueError(
-                f"--dtype {args.dtype} applies to --format llama and gguf; a {args.format} program keeps the "
-                "model's dtype: leave --dtype out."
-            )
-        if args.max_cache_len is not None:
-            check_max_cache_len(args.max_cache_len, args.check_tokens)
-    elif args.max_cache_len is not None:
-        raise ValueError(
-            f"--max_cache_len applies to --format executorch and onnx (a program with its cache inside); a "
-            f"{args.format} export holds no cache: leave it out."
-        )
-    missing = [extras.EXTRAS["export"][m] for m in FORMAT_MODULES[args.format] if not extras.is_installed(m)]
-    if missing:
-        raise ValueError(extras.missing_message(f"--format {args.format}", missing, "export"))
-    return args
+def parse_args(argv: list[str] | None) -> ExportArgs:
+    """The command line, checked as far as it goes without reading the model (a `ValueError` naming the bad input).
+    `--max_cache_len` and `--output` left out stay None: their defaults depend on the model directory."""
+    return ExportArgs(**vars(build_parser().parse_args(argv)))
 
 
 def check_max_cache_len(max_cache_len: int, check_tokens: int) -> None:
@@ -124,13 +160,14 @@ def check_max_cache_len(max_cache_len: int, check_tokens: int) -> None:
         raise ValueError(f"--max_cache_len {max_cache_len} is too short: {why}.")
 
 
-def check_output(model_dir: Path, format: str, output: str | None) -> Path:
+def check_output(model_dir: Path, format: str, output: str | None, overwrite: bool = False) -> Path:
     """--output (default: beside or in `model_dir`), checked before any work; a `ValueError` naming what is wrong.
 
     Refused: the model directory itself or a folder holding it; a file inside it that is not a `format` file (one of
     the model's own files, or a new one among them: a program would overwrite or shadow its weights or config);
     an existing file that is one of the model's files under another name (a link); a read-only file; a folder
-    that does not exist or cannot be written; for llama, a folder that already holds files.
+    that does not exist or cannot be written; an existing file without `overwrite` (it may not be an earlier export);
+    for llama, a folder that already holds files.
     """
     suffix, source = FORMATS[format], model_dir.expanduser().resolve()
     if output is None:  # a Llama folder beside the model directory (resolved: "." has no name to extend)
@@ -162,4 +199,9 @@ def check_output(model_dir: Path, format: str, output: str | None) -> Path:
         raise ValueError(f"{flag} is a folder; give the {suffix} file to write.")
     elif path.exists() and not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         raise ValueError(f"{flag} is a read-only file; make it writable to replace it, or choose another --output.")
+    elif path.exists() and not overwrite:
+        raise ValueError(
+            f"{flag} already exists ({path.stat().st_size:,} bytes); pass --overwrite to replace it (the new file is "
+            "written beside it and replaces it only when complete), or choose another --output."
+        )
     return path

@@ -41,7 +41,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     # qkvshare serve: transformers' server (fastapi, uvicorn; starlette and pydantic come with fastapi) and the openai
     # package, whose types transformers' handlers build their answers with.
     "serve": {"fastapi": "fastapi", "uvicorn": "uvicorn", "openai": "openai"},
-    # qkvshare export: each --format checks the modules it needs (qkvshare_cli.export.FORMAT_MODULES)
+    # qkvshare export: each --format checks the modules it needs (qkvshare_settings.export.FORMAT_MODULES)
     "export": {
         "executorch": "executorch",
         "onnx": "onnx",

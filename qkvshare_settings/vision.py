@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .conventions import dataclass_parser
+from .variants import PAPER_TABLE_VARIANTS
 
 TASKS = ("classify", "sets")
-PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
 # The paper's variants and the head-sharing ones (4 heads: GQA-2, MQA and their K=V forms).
-DEFAULT_VARIANTS = (*PAPER_VARIANTS, "GQA-2", "MQA", "Q-GQA-2", "Q-MQA")
+DEFAULT_VARIANTS = (*PAPER_TABLE_VARIANTS, "GQA-2", "MQA", "Q-GQA-2", "Q-MQA")
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""The command-line conventions every `qkvshare` command follows: help layout, `--dtype` names, file names, flags
-built from typed argument dataclasses, the checks several commands share, and how bad input is reported (one
-paragraph on stderr, exit status 2).
+"""The conventions every `qkvshare` command and its settings follow: help layout, `--dtype` names, file names,
+flags built from typed settings dataclasses, the checks several commands share, how bad input is reported (one
+paragraph on stderr, exit status 2) and how a run that stopped says so (`CommandStopped`).
 
-Standard library only, like every module of `qkvshare_cli`. (`qkvshare.analysis.conventions.torch_dtype` turns a
-`--dtype` name into a `torch.dtype` once a command runs.)
+Standard library only, like every module of `qkvshare_settings`. (`qkvshare.runtime.torch_dtype` turns a `--dtype`
+name into a `torch.dtype` once a command runs.)
 """
 
 from __future__ import annotations
@@ -42,10 +42,22 @@ def slug(name: str) -> str:
     return s or "_"
 
 
+class CommandStopped(Exception):
+    """A command's run that stopped before it finished, for a reason other than bad input (which is a
+    `ValueError`): a failed write, a diverged loss, a signal. What it saved stays; the message says what happened
+    and what to do. The command line prints `qkvshare <command>: <label>: <message>` (the label left out when
+    empty) and exits with `exit_status`; from Python it is an ordinary exception."""
+
+    label = "stopped"
+    exit_status = 1
+
+
 def report_bad_input(command: str, err: BaseException) -> int:
     """Print what is wrong with a command's input as one paragraph on stderr (``qkvshare <command>: error: ...``,
-    newlines folded) and return the exit status of bad input, 2."""
-    print(f"qkvshare {command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+    newlines folded, unless the error's class lays its message out in lines: `preformatted`) and return the exit
+    status of bad input, 2."""
+    text = str(err) if getattr(err, "preformatted", False) else " ".join(str(err).split())
+    print(f"qkvshare {command}: error: {text}", file=sys.stderr)
     return 2
 
 

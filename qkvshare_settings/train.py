@@ -37,7 +37,10 @@ from .overrides import format_overrides, parse_overrides
 
 
 class TrainingSetupError(ValueError):
-    """Bad input found before training starts; the message says what is wrong and how to fix it."""
+    """Bad input found before training starts; the message says what is wrong and how to fix it (some list the
+    differences of a run line by line: printed as they are)."""
+
+    preformatted = True
 
 
 # --report_to names (accelerate's trackers) -> the module that must be importable for it
@@ -186,6 +189,65 @@ class Arguments:
     def to_dict(self) -> dict[str, Any]:
         """Flat dict of every flag (what `training_args.json` holds)."""
         return {**dataclasses.asdict(self.model), **dataclasses.asdict(self.data), **dataclasses.asdict(self.train)}
+
+
+@dataclass
+class DistillSettings:
+    """A distillation run's budget and optimiser, in the form `distill_arguments` turns into a training run (what
+    `qkvshare convert`'s stage (c) passes; its --distill_* flags). Defaults: the recipe measured on SmolLM2-135M."""
+
+    tokens: int = 0  # training tokens (0: no distillation)
+    batch_size: int = 4  # blocks per step
+    block_size: int = 512
+    learning_rate: float = 3e-5  # configs/uptrain-smollm2.yaml's peak: larger first AdamW steps hurt a close init
+    warmup_steps: int = 2
+    temperature: float = 1.0
+    lm_weight: float = 0.0
+    save_steps: int = 10
+    eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
+    seed: int = 0
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.tokens / (self.batch_size * self.block_size)))
+
+
+def distill_arguments(
+    student: str, teacher: str, train_file: str, validation_file: str, output_dir: str, s: DistillSettings
+) -> Arguments:
+    """The training run that distils the model directory `student` from `teacher` on the text files: the student's
+    own config and tokenizer (--init_from), pure KL by default, one validation at the end, no sample, no tracker.
+    A run already in `output_dir` is resumed from its latest checkpoint, or replaced when it has none (a run killed
+    before its first checkpoint holds only its own files)."""
+    checkpoints = Path(output_dir) / "checkpoints"
+    resume = checkpoints.is_dir() and any(checkpoints.glob("checkpoint-*"))
+    model = ModelArguments(init_from=student, teacher=teacher)
+    data = DataArguments(
+        train_file=train_file,
+        validation_file=validation_file,
+        block_size=s.block_size,
+        max_eval_samples=s.eval_blocks,
+    )
+    train = TrainArguments(
+        output_dir=output_dir,
+        overwrite_output_dir=Path(output_dir).exists() and not resume,
+        resume_from_checkpoint="latest" if resume else None,
+        max_steps=s.steps,
+        per_device_train_batch_size=s.batch_size,
+        learning_rate=s.learning_rate,
+        warmup_steps=min(s.warmup_steps, s.steps),
+        weight_decay=0.0,
+        distill_temperature=s.temperature,
+        distill_lm_weight=s.lm_weight,
+        save_steps=s.save_steps,
+        save_total_limit=1,
+        eval_steps=s.steps,
+        logging_steps=max(1, min(10, s.steps)),
+        report_to="none",
+        sample_max_new_tokens=0,
+        seed=s.seed,
+    )
+    return Arguments(model, data, train)
 
 
 def _field_names() -> set[str]:

@@ -96,9 +96,11 @@ read.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .conventions import HelpFormatter, add_dtype_argument
+from .conventions import DTYPE_NAMES, HelpFormatter, add_dtype_argument
 from .overrides import parse_overrides
 
 KV_METHODS = ("key", "value", "calibrated", "transfer")
@@ -131,6 +133,7 @@ TRANSFER_DEFAULTS = {
     "cache_budget": None,
 }
 CALIBRATIONS = ("sequential", "independent")
+KV_TIE_POINTS = ("post_rope", "pre_rope")  # the values of QKVShareConfig.kv_tie_point
 DEFAULT_CALIBRATION = "sequential"  # lower perplexity at 0 steps than "independent" on SmolLM2-135M (README)
 RECORD_FILE = "conversion.json"
 # Config fields `convert` accepts as overrides: those that change sharing, not the shapes of the copied weights.
@@ -146,8 +149,84 @@ CONVERT_OVERRIDES = (
 )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse and check `qkvshare convert` arguments: `ValueError` for a bad value."""
+@dataclass
+class ConvertArgs:
+    """What `qkvshare convert` (and `qkvshare.convert.convert_checkpoint`) converts, how, and where to.
+
+    Every field is a flag of the command, with its default; building one checks it (a `ValueError` naming the field,
+    the value and what is allowed). `None` fields take the method's default: `calibration_tokens` 8,192 (32,768 with
+    `transfer`), `ridge` 1e-4 (1e-2 with `transfer`). The `transfer` method's fields (`TRANSFER_DEFAULTS`) can only
+    be changed with `method="transfer"`.
+    """
+
+    source: str  # SRC: a Llama-architecture model directory or .gguf file
+    output_dir: str  # where the converted model directory is written
+    variant: str  # paper variant: Q-K=V, Q=K-V, Q=K=V, GQA-<g>, MQA, Q-GQA-<g>, Q-MQA, QKV
+    method: str | None = None  # K=V layers: key, value, calibrated (the default), transfer
+    query_method: str | None = None  # Q=K layers: key (the default), query
+    kv_tie_point: str | None = None  # pre_rope (calibrated's default) or post_rope (the config default otherwise)
+    calibration_file: str | None = None  # .txt or .jsonl (text column); default: the embedded prose + code
+    calibration_dataset: str | None = None  # a datasets name, data folder or save_to_disk folder (text column)
+    calibration_tokens: int | None = None  # tokens to calibrate on
+    calibration_block_size: int = DEFAULT_CALIBRATION_BLOCK  # tokens per sequence
+    ridge: float | None = None  # relative ridge of the o_proj fit
+    calibration: str = DEFAULT_CALIBRATION  # fit layer l on the converted model's hidden states, or the source's
+    validation_tokens: int = TRANSFER_DEFAULTS["validation_tokens"]  # transfer: held-out tokens
+    transfer_steps: int = TRANSFER_DEFAULTS["transfer_steps"]  # stage (b) steps per layer (0: none)
+    transfer_batch_size: int = TRANSFER_DEFAULTS["transfer_batch_size"]  # stage (b) blocks per step
+    transfer_learning_rate: float = TRANSFER_DEFAULTS["transfer_learning_rate"]  # stage (b) peak learning rate
+    transfer_eval_steps: int = TRANSFER_DEFAULTS["transfer_eval_steps"]  # stage (b) measures its best state so often
+    distill_tokens: int = TRANSFER_DEFAULTS["distill_tokens"]  # stage (c) tokens (0: no stage (c))
+    distill_batch_size: int = TRANSFER_DEFAULTS["distill_batch_size"]  # stage (c) blocks per step
+    distill_learning_rate: float = TRANSFER_DEFAULTS["distill_learning_rate"]  # stage (c) peak learning rate
+    distill_temperature: float = TRANSFER_DEFAULTS["distill_temperature"]  # stage (c) KL temperature
+    distill_lm_weight: float = TRANSFER_DEFAULTS["distill_lm_weight"]  # stage (c) LM loss weight
+    cache_budget: float | None = TRANSFER_DEFAULTS["cache_budget"]  # transfer: at most this share of the KV bytes
+    seed: int = 0  # order of the calibration text, stage (b)'s batches
+    dtype: str = "float32"  # dtype of the saved weights (conversion runs in float32)
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields of CONVERT_OVERRIDES
+    overwrite_output_dir: bool = False  # replace a previous conversion in output_dir
+
+    def __post_init__(self) -> None:
+        transfer = self.method == "transfer"
+        if self.calibration_tokens is None:
+            self.calibration_tokens = DEFAULT_TRANSFER_CALIBRATION_TOKENS if transfer else DEFAULT_CALIBRATION_TOKENS
+        if self.ridge is None:
+            self.ridge = DEFAULT_TRANSFER_RIDGE if transfer else DEFAULT_RIDGE
+        self.overrides = dict(self.overrides)
+        if self.kv_tie_point is not None:
+            self.overrides["kv_tie_point"] = self.kv_tie_point
+        self.check()
+
+    def check(self) -> None:
+        """Every check that needs no weights (a `ValueError` naming the flag)."""
+        for flag, value, allowed in (
+            ("method", self.method, KV_METHODS),
+            ("query_method", self.query_method, QUERY_METHODS),
+            ("kv_tie_point", self.kv_tie_point, KV_TIE_POINTS),
+            ("calibration", self.calibration, CALIBRATIONS),
+        ):
+            if value is not None and value not in allowed:
+                raise ValueError(f"--{flag} {value!r} is not one of {', '.join(allowed)}.")
+        check_source_path(self.source)
+        if DTYPE_NAMES.get(self.dtype) in (None, "auto"):
+            raise ValueError(f"--dtype {self.dtype!r} is not a dtype to save in; use float32, bfloat16 or float16.")
+        for flag in ("calibration_tokens", "calibration_block_size"):
+            if getattr(self, flag) < 2:
+                raise ValueError(f"--{flag} {getattr(self, flag)} must be at least 2.")
+        if not self.ridge >= 0:
+            raise ValueError(f"--ridge {self.ridge} must be >= 0 (a small value such as {DEFAULT_RIDGE}).")
+        if self.calibration_file is not None and not Path(self.calibration_file).expanduser().is_file():
+            raise ValueError(
+                f"--calibration_file {self.calibration_file!r} does not exist; pass a .txt or .jsonl file."
+            )
+        if self.calibration_file is not None and self.calibration_dataset is not None:
+            raise ValueError("give either --calibration_file or --calibration_dataset, not both.")
+        check_transfer_args(self)
+        check_output_dir(Path(self.output_dir), self.overwrite_output_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qkvshare convert", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("source", metavar="SRC", help="Llama-architecture model directory or .gguf file")
     p.add_argument(
@@ -158,7 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--query_method", choices=QUERY_METHODS, default=None, help="Q=K layers (default: key)")
     p.add_argument(
         "--kv_tie_point",
-        choices=("pre_rope", "post_rope"),
+        choices=KV_TIE_POINTS,
         default=None,
         help="tie point of K=V layers (default: pre_rope for calibrated, else the config default post_rope)",
     )
@@ -219,33 +298,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_dtype_argument(p, "float32", "dtype of the saved weights (conversion runs in float32)")
     p.add_argument("--override", nargs="*", default=None, help="config fields: " + ", ".join(CONVERT_OVERRIDES))
     p.add_argument("--overwrite_output_dir", action="store_true", help="replace a previous conversion there")
-    args = p.parse_args(argv)
-    if args.calibration_tokens is None:
-        transfer = args.method == "transfer"
-        args.calibration_tokens = DEFAULT_TRANSFER_CALIBRATION_TOKENS if transfer else DEFAULT_CALIBRATION_TOKENS
-    check_source_path(args.source)
-    if args.dtype == "auto":
-        raise ValueError("--dtype auto is not a dtype to save in; use float32, bfloat16 or float16.")
-    for flag in ("calibration_tokens", "calibration_block_size"):
-        if getattr(args, flag) < 2:
-            raise ValueError(f"--{flag} {getattr(args, flag)} must be at least 2.")
-    if args.ridge is None:
-        args.ridge = DEFAULT_TRANSFER_RIDGE if args.method == "transfer" else DEFAULT_RIDGE
-    if not args.ridge >= 0:
-        raise ValueError(f"--ridge {args.ridge} must be >= 0 (a small value such as {DEFAULT_RIDGE}).")
-    if args.calibration_file is not None and not Path(args.calibration_file).expanduser().is_file():
-        raise ValueError(f"--calibration_file {args.calibration_file!r} does not exist; pass a .txt or .jsonl file.")
-    if args.calibration_file is not None and args.calibration_dataset is not None:
-        raise ValueError("give either --calibration_file or --calibration_dataset, not both.")
-    check_transfer_args(args)
-    args.overrides = parse_overrides(args.override, "--override")
-    if args.kv_tie_point is not None:
-        args.overrides["kv_tie_point"] = args.kv_tie_point
-    check_output_dir(Path(args.output_dir), args.overwrite_output_dir)
-    return args
+    return p
 
 
-def check_transfer_args(args: argparse.Namespace) -> None:
+def parse_args(argv: list[str] | None) -> ConvertArgs:
+    """Parse and check `qkvshare convert` arguments: `ValueError` for a bad value."""
+    namespace = vars(build_parser().parse_args(argv))
+    namespace["overrides"] = parse_overrides(namespace.pop("override"), "--override")
+    return ConvertArgs(**namespace)
+
+
+def check_transfer_args(args: ConvertArgs) -> None:
     """The transfer method's numbers in range, and set only with --method transfer; a `ValueError` otherwise."""
     if args.method != "transfer":
         given = [f"--{name} {getattr(args, name)}" for name, d in TRANSFER_DEFAULTS.items() if getattr(args, name) != d]

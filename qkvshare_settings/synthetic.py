@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .conventions import dataclass_parser
+from .variants import PAPER_TABLE_VARIANTS
 
 TASKS = ("reverse", "sort", "sub", "swap", "copy")  # the paper's five synthetic tasks, in its table's order
-PAPER_VARIANTS = ("QKV", "Q=K-V", "(Q=K-V)+", "Q-K=V", "Q=K=V", "(Q=K=V)+")
 
 # Grid axes per named grid. "paper": the paper's grid. "default": chosen by measurement (see the measurements in the
 # comment on "default" below) to run in about 15 minutes on 2 CPU cores and still separate the variants.
@@ -46,7 +46,7 @@ class SweepArgs:
     )
     grid: str = field(default="default", metadata={"help": "default (about 15 min on 2 cores) or paper (full)"})
     variants: list[str] = field(
-        default_factory=lambda: list(PAPER_VARIANTS), metadata={"help": 'paper names, e.g. QKV "(Q=K=V)+"'}
+        default_factory=lambda: list(PAPER_TABLE_VARIANTS), metadata={"help": 'paper names, e.g. QKV "(Q=K=V)+"'}
     )
     tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={"help": "a subset of these five"})
     embedding_sizes: list[int] | None = field(default=None, metadata={"help": "overrides the grid's axis"})

@@ -1,12 +1,10 @@
-"""`qkvshare convert` run: read the source and the calibration text, convert, save (the arguments are parsed and
-checked by `qkvshare_cli.convert`)."""
+"""`convert_checkpoint`: the whole of `qkvshare convert` as a function of its settings (`ConvertArgs`, parsed and
+checked by `qkvshare_settings.convert`): read the source and the calibration text, convert, distil, save."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -14,12 +12,12 @@ from typing import Any
 
 import torch
 
-from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare import QKVShareConfig, QKVShareForCausalLM, model_dir
 from qkvshare.convert import io as files
 from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
-from qkvshare.convert.distill import DistillSettings, run_distillation
+from qkvshare.convert.distill import run_distillation
 from qkvshare.convert.transfer import (
     TransferSettings,
     check_activation_memory,
@@ -27,19 +25,31 @@ from qkvshare.convert.transfer import (
     measure_layer_errors,
     source_log_probs,
 )
-from qkvshare_cli import main as cli_main
-from qkvshare_cli.conventions import report_bad_input
-from qkvshare_cli.convert import RECORD_FILE, TRANSFER_DEFAULTS
+from qkvshare.runtime import check_free_space, torch_dtype
+from qkvshare_settings.conventions import CommandStopped
+from qkvshare_settings.convert import RECORD_FILE, TRANSFER_DEFAULTS, ConvertArgs
+from qkvshare_settings.train import DistillSettings
 
 
-def run(args: argparse.Namespace) -> ConversionRecord:
-    """Check everything that needs no weights, read calibration text, load the source, convert (resumably, with
-    --method transfer), distil (stage c), and publish the model directory whole."""
-    source_config = files.read_source_config(args.source)
+def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
+    """Convert the checkpoint `args.source` into `args.output_dir` and return the conversion's record.
+
+    Checks everything that needs no weights, reads the calibration text, loads the source, converts (resumably, with
+    `method="transfer"`), distils (stage (c)), and publishes the model directory whole. Raises a `ValueError` for
+    input that cannot be converted (before any long work) and a `CommandStopped` (`ConversionWriteError`,
+    `DistillationStopped`) when a run stops part-way: what it saved stays, and the same call continues it.
+
+        from qkvshare.convert import ConvertArgs, convert_checkpoint
+        record = convert_checkpoint(ConvertArgs("SmolLM2-135M", "out/qv", "Q-K=V", method="transfer"))
+    """
+    source_config = model_dir.read_source_config(args.source)
     config, method, query_method = plan_conversion(
         source_config, args.variant, args.method, args.query_method, **args.overrides
     )
-    tokenizer = files.load_source_tokenizer(args.source)
+    check_free_space(
+        Path(args.output_dir).parent, saved_bytes(config, args.dtype), f"the converted model {args.output_dir}"
+    )
+    tokenizer = model_dir.load_source_tokenizer(args.source)
     source_kv = source_config.get("num_key_value_heads") or source_config["num_attention_heads"]
     check_cache_budget(config, method, source_kv, args.cache_budget)
     ids = validation = description = None
@@ -62,7 +72,7 @@ def run(args: argparse.Namespace) -> ConversionRecord:
         check_calibration_ids(validation, config, "the validation split of the calibration text")
     out = Path(args.output_dir)
     work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
-    source = files.load_source(args.source)
+    source = model_dir.load_source(args.source)
     started = time.perf_counter()
     model, record = convert(
         source,
@@ -91,6 +101,14 @@ def run(args: argparse.Namespace) -> ConversionRecord:
     return record
 
 
+def saved_bytes(config: QKVShareConfig, dtype: str) -> int:
+    """The bytes of the converted model's weights in `dtype` (built on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = QKVShareForCausalLM(config)
+    element = torch.finfo(torch_dtype(dtype)).bits // 8
+    return sum(p.numel() for p in model.parameters()) * element
+
+
 # dataclass field <- command flag, for each stage's settings
 TRANSFER_FLAGS = {"ridge": "ridge", "steps": "transfer_steps", "batch_size": "transfer_batch_size", "seed": "seed"}
 TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate", "eval_steps": "transfer_eval_steps"}
@@ -98,17 +116,17 @@ DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_r
 DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
 
 
-def transfer_settings(args: argparse.Namespace) -> TransferSettings:
+def transfer_settings(args: ConvertArgs) -> TransferSettings:
     """Stages (a) and (b) from the command's flags."""
     return TransferSettings(**{field: getattr(args, flag) for field, flag in TRANSFER_FLAGS.items()})
 
 
-def distill_settings(args: argparse.Namespace) -> DistillSettings:
+def distill_settings(args: ConvertArgs) -> DistillSettings:
     """Stage (c) from the command's flags."""
     return DistillSettings(**{field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()})
 
 
-def conversion_plan(args: argparse.Namespace) -> dict[str, Any]:
+def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
     """What a transfer conversion's saved progress depends on (a rerun must match it to continue from it)."""
     keys = ("variant", "method", "query_method", "overrides", "calibration_file", "calibration_dataset")
     keys += ("calibration_tokens", "calibration_block_size", "ridge", "seed", *TRANSFER_DEFAULTS)
@@ -135,7 +153,7 @@ def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
 
 
 def distil(
-    args: argparse.Namespace,
+    args: ConvertArgs,
     source: Any,
     model: Any,
     record: ConversionRecord,
@@ -156,8 +174,11 @@ def distil(
         folder, metrics = run_distillation(
             stage_model, str(args.source), train_texts, held_out, tokenizer, work, settings
         )
-    except RuntimeError as err:
-        raise DistillationStopped(str(err)) from err
+    except CommandStopped as err:
+        raise DistillationStopped(
+            f"the distillation stage stopped ({getattr(err, 'reason', err)}); rerun the same conversion to continue "
+            "from its last checkpoint."
+        ) from err
     distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference = source_log_probs(source, validation)
     record.layer_errors["distill"] = measure_layer_errors(source, distilled, validation)
@@ -172,7 +193,7 @@ def distil(
     return distilled
 
 
-class DistillationStopped(RuntimeError):
+class DistillationStopped(CommandStopped):
     """Stage (c)'s training run stopped (a signal, a full disk, a diverged loss); rerunning continues it."""
 
 
@@ -213,21 +234,3 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
         )
     lines.append(f"model directory: {out.resolve()}")
     print("\n".join(lines), flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`qkvshare convert ARGV` (the same as the console command); returns the exit status."""
-    return cli_main(["convert", *(sys.argv[1:] if argv is None else argv)])
-
-
-def execute(args: argparse.Namespace) -> int:
-    """`qkvshare convert` with its parsed arguments: 0 done, 1 stopped while writing or distilling (what is saved
-    stays; rerunning continues), 2 bad input (one paragraph on stderr)."""
-    try:
-        run(args)
-    except ValueError as err:
-        return report_bad_input("convert", err)
-    except (files.ConversionWriteError, DistillationStopped) as err:
-        print(f"qkvshare convert: stopped: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
-        return 1
-    return 0

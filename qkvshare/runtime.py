@@ -1,0 +1,78 @@
+"""What the tools need to know of the machine they run on: the `torch.dtype` of a `--dtype` name, the default device,
+the memory available now, and the disk: free space before a write, and a full disk named as such after one.
+
+The `--dtype` names and aliases themselves are `qkvshare_settings.conventions`, which the command-line parsers
+import without torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import torch
+
+from qkvshare_settings.conventions import dtype_name
+
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """The `torch.dtype` of a canonical `--dtype` name; ``auto`` stays the string transformers understands."""
+    if name == "auto":
+        return "auto"
+    return getattr(torch, dtype_name(name))
+
+
+def default_device() -> str:
+    """`cuda` when a GPU is visible, otherwise `cpu`."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def available_bytes() -> int | None:
+    """The memory the system can give a process now: MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free bytes on the file system holding `path` (its nearest existing parent), or None when unknown."""
+    path = Path(path).expanduser().resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def check_free_space(path: str | Path, needed: int, what: str) -> None:
+    """A `ValueError` naming `what`, `path` and both sizes when the file system holding `path` has less than
+    `needed` bytes free (checked before a write starts; nothing happens when the free space is unknown)."""
+    free = free_bytes(path)
+    if free is not None and free < needed:
+        raise ValueError(
+            f"{what} needs about {needed / 2**20:,.1f} MiB but the disk holding {Path(path).expanduser()} has "
+            f"{free / 2**20:,.1f} MiB free; free space there or write elsewhere."
+        )
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` (an OSError, or a safetensors/torch error that wraps one as text) is a full disk or quota."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return "No space left on device" in text or "StorageFull" in text or "Disk quota exceeded" in text
+
+
+def describe_disk_full(path: str | Path, needed: int | None = None) -> str:
+    """'the disk holding PATH is full (N MiB free, about M MiB needed)': the message of a write that ran out of space."""
+    free = free_bytes(path)
+    sizes = [f"{free / 2**20:,.1f} MiB free" if free is not None else None]
+    sizes.append(f"about {needed / 2**20:,.1f} MiB needed" if needed is not None else None)
+    shown = ", ".join(s for s in sizes if s)
+    return f"the disk holding {Path(path).expanduser()} is full{f' ({shown})' if shown else ''}: free space there or write elsewhere"
