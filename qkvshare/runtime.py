@@ -61,12 +61,23 @@ def check_free_space(path: str | Path, needed: int, what: str) -> None:
         )
 
 
-def is_disk_full(error: BaseException) -> bool:
-    """Whether `error` (an OSError, or a safetensors/torch error that wraps one as text) is a full disk or quota."""
+# torch's zip writer loses the errno of a failed write: "[enforce fail at inline_container.cc:672] . unexpected pos
+# 121024 vs 120912" (a short write), or "PytorchStreamWriter failed writing file ...: file write failed".
+_TORCH_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+_FULL_DISK_BYTES = 1 << 20  # free bytes below which a short write means the disk filled up
+
+
+def is_disk_full(error: BaseException, folder: str | Path | None = None) -> bool:
+    """Whether `error` is a full disk or quota, whatever library raised it: an OSError, or a safetensors/torch error
+    that carries one as text. torch's short-write error carries no errno; it counts as a full disk when `folder`
+    (where the write went) has under 1 MiB free at the moment of the failure."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(error)
-    return "No space left on device" in text or "StorageFull" in text or "Disk quota exceeded" in text
+    if "No space left on device" in text or "StorageFull" in text or "Disk quota exceeded" in text:
+        return True
+    free = free_bytes(folder) if folder is not None and any(s in text for s in _TORCH_SHORT_WRITE) else None
+    return free is not None and free < _FULL_DISK_BYTES
 
 
 def describe_disk_full(path: str | Path, needed: int | None = None) -> str:

@@ -147,6 +147,11 @@ class TrainArguments:
     adam_beta2: float = flag(0.95, "AdamW beta2")
     adam_epsilon: float = flag(1e-8, "AdamW epsilon")
     max_grad_norm: float = flag(1.0, "gradient clipping (0 turns it off)")
+    trainable_modules: list[str] | None = flag(
+        None,
+        "train only the parameters whose names contain one of these (e.g. self_attn: the attention projections, the "
+        "rest frozen); default: every parameter",
+    )
     seed: int = flag(42, "seed of init, data order and sampling")
     distill_temperature: float = flag(1.0, "with --teacher: softmax temperature of both distributions in the KL")
     distill_lm_weight: float = flag(

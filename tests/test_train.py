@@ -546,3 +546,27 @@ def test_unknown_yaml_key_is_rejected(tmp_path):
         parse_args([str(recipe)])
     with pytest.raises(TrainingSetupError, match="required"):
         setup(parse_args(["--preset", "tiny"]))
+
+
+def test_trainable_modules_train_only_those_and_are_part_of_a_resumable_run(corpus_file, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    assert main(tiny_argv(corpus_file, base, "--max_steps", "2")) == 0
+    out = tmp_path / "attention-only"
+    argv = tiny_argv(corpus_file, out, "--init_from", str(base), "--max_steps", "2", "--save_steps", "1")
+    argv = [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+    assert main([*argv, "--trainable_modules", "self_attn"]) == 0
+    before, after = load_file(base / "model.safetensors"), load_file(out / "model.safetensors")
+    changed = sorted(name for name in before if not torch.equal(before[name], after[name]))
+    assert changed and all(".self_attn." in name for name in changed)  # embeddings, norms and MLPs as they were
+    assert {n for n in before if ".self_attn." in n and n.endswith("weight")} <= set(changed)
+    state = json.loads(
+        sorted((out / "checkpoints").glob("checkpoint-*"))[-1].joinpath("trainer_state.json").read_text()
+    )
+    assert state["trainable_modules"] == ["self_attn"]
+    # resuming with another choice would load an optimizer for other parameters: refused, naming it
+    assert main([*argv, "--max_steps", "3", "--resume_from_checkpoint", "latest", "--trainable_modules", "mlp"]) == 2
+    assert "trainable_modules: checkpoint ['self_attn'], now ['mlp']" in capsys.readouterr().err
+    assert main([*tiny_argv(corpus_file, tmp_path / "none"), "--trainable_modules", "cross_attn"]) == 2
+    assert "--trainable_modules cross_attn matches no parameter of the model" in capsys.readouterr().err

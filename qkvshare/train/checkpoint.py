@@ -31,6 +31,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
+from qkvshare.runtime import free_bytes, is_disk_full
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.train import TrainingSetupError
 
@@ -304,7 +307,7 @@ def check_compatible(state: dict[str, Any], current: dict[str, Any], path: Path)
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             problems.append(f"model {key}: checkpoint {old.get(key)!r}, now {new.get(key)!r}")
-    for key in ("block_size", "global_batch_blocks", "seed"):
+    for key in ("block_size", "global_batch_blocks", "seed", "trainable_modules"):
         if state.get(key) != current.get(key):
             problems.append(f"{key}: checkpoint {state.get(key)!r}, now {current.get(key)!r}")
     if problems:
@@ -319,32 +322,14 @@ def check_compatible(state: dict[str, Any], current: dict[str, Any], path: Path)
 # Saving
 # --------------------------------------------------------------------------------------------------------------
 NO_SPACE = "no space left on device"
-# torch's zip writer loses the errno of a failed write: "[enforce fail at inline_container.cc:672] . unexpected pos
-# 121024 vs 120912" (a short write), or "PytorchStreamWriter failed writing file ...: file write failed".
-_TORCH_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
-_FULL_DISK_BYTES = 1 << 20  # free bytes below which a short write means the disk filled up
-
-
-def free_bytes(path: str | os.PathLike) -> int:
-    """Free bytes (for this user) on the filesystem of `path`, or of its nearest existing parent."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 def describe_write_error(err: BaseException, folder: str | os.PathLike | None = None) -> str:
-    """A failed write in words: `NO_SPACE` for a full disk whatever library raised it.
-
-    torch's short-write error carries no errno; it counts as a full disk when `folder` (where the write went) has
-    under 1 MiB free at the moment of the failure.
-    """
+    """A failed write in words: `NO_SPACE` for a full disk whatever library raised it (`runtime.is_disk_full`)."""
     text = str(err)
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC or "No space left on device" in text:
-        return NO_SPACE
     if isinstance(err, OSError) and err.errno == errno.EDQUOT or "Disk quota exceeded" in text:
         return "disk quota exceeded"
-    if folder is not None and any(s in text for s in _TORCH_SHORT_WRITE) and free_bytes(folder) < _FULL_DISK_BYTES:
+    if is_disk_full(err, folder):
         return NO_SPACE
     if isinstance(err, OSError) and err.strerror:
         return f"{err.strerror}" + (f" ({err.filename})" if err.filename else "")
@@ -353,8 +338,6 @@ def describe_write_error(err: BaseException, folder: str | os.PathLike | None = 
 
 def _attempt(action: Any, folder: Path) -> str | None:
     """Run `action()`, which writes under `folder`; a failed write comes back as its description, not an exception."""
-    from safetensors import SafetensorError
-
     try:
         action()
     except (OSError, RuntimeError, SafetensorError) as err:  # torch.save and safetensors wrap OS errors

@@ -154,6 +154,7 @@ class Run:
             "block_size": self.block_size,
             "global_batch_blocks": self.global_batch_blocks,
             "seed": self.args.train.seed,
+            "trainable_modules": self.args.train.trainable_modules,
             "data_fingerprint": self.data_fingerprint,
             "model_config": self.config.to_dict(),
             "args": self.args.to_dict(),
@@ -454,9 +455,25 @@ def build_model(args: Arguments, config: QKVShareConfig) -> QKVShareForCausalLM:
         model = QKVShareForCausalLM(config)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
+    if t.trainable_modules is not None:
+        freeze_all_but(model, t.trainable_modules)
     if t.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
     return model
+
+
+def freeze_all_but(model: torch.nn.Module, patterns: list[str]) -> None:
+    """Train only the parameters whose names contain one of `patterns`: the rest take no gradient and no optimizer
+    state (their activations' gradients still flow). A `TrainingSetupError` when no parameter matches."""
+    names = [name for name, _ in model.named_parameters()]
+    trained = [name for name in names if any(p in name for p in patterns)]
+    if not trained:
+        raise TrainingSetupError(
+            f"--trainable_modules {' '.join(patterns)} matches no parameter of the model; its parameters are named "
+            f"like {names[0]!r} and {names[-1]!r} (e.g. self_attn, mlp, embed_tokens)."
+        )
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trained)
 
 
 def restore_checkpoint(accelerator: Any, path: Path) -> None:
@@ -512,6 +529,7 @@ def setup(args: Arguments) -> Run:
                 "block_size": block_size,
                 "global_batch_blocks": global_batch,
                 "seed": t.seed,
+                "trainable_modules": t.trainable_modules,
             }
             check_compatible(saved, current, resume_path)
         val_blocks, train_data, fingerprint = prepare_data(
