@@ -168,7 +168,8 @@ PRIVATE_SYMBOLS: tuple[PrivateSymbol, ...] = (
     ),
     PrivateSymbol(
         "transformers.generation.continuous_batching.utils:WorkloadHints",
-        "the batch processor's workload hints",
+        "the batch processor's workload hints; on CPU, pool_for_the_work sizes the page pool from its "
+        "max_prompt_length, max_generated_length and num_requests",
     ),
     # ----- PEFT (optional): the default LoRA targets of a model type (qkvshare/__init__.py)
     PrivateSymbol(

@@ -28,14 +28,23 @@ Design notes
   and eager (flash attention's paged kernels read one K and one V page tensor per layer).
 - This rests on private parts of transformers' continuous batching (the allocator geometry, the cache constructor,
   the manager's batch processor): `TESTED_TRANSFORMERS` is the range it was tested with, checked at run time.
+- The page pool on CPU is sized to the work, not to the machine (`pool_for_the_work`): transformers sizes it from
+  free memory, which on CPU is 60% of the RAM (a 115k-parameter model took 11-13 GB), and allocates an attention
+  mask of max_batch_tokens x (pool tokens + max_batch_tokens) next to it. `init_continuous_batching` (every entry
+  point) therefore fills the sizes left unset: the pool holds the batch it is given (`generate_batch`, paged
+  `generate()`: requests x (prompt + max_new_tokens), rounded up to pages), or `CPU_POOL_TOKENS` without a workload,
+  capped at `CPU_POOL_CAP_TOKENS` tokens and `CPU_POOL_CAP_BYTES` bytes of pages (never below one request).
+  Other devices keep transformers' sizing.
 - Only torch/transformers and single-dot imports of package files: `save_pretrained` copies this file into
   checkpoints with the model files.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Mapping
-from math import lcm
+from math import ceil, lcm
 from typing import Any, NamedTuple
 
 import torch
@@ -65,6 +74,56 @@ from .configuration_qkvshare import QKVShareConfig
 # Attention backends whose continuous-batching path reads the K and V that `attend` returns ("paged|eager" is what
 # transformers' manager makes of "eager").
 PAGED_BACKENDS = ("sdpa", "eager", "paged|eager")
+
+# Continuous batching on CPU, for the sizes a `ContinuousBatchingConfig` leaves unset (see `pool_for_the_work`).
+CPU_PAGE_SIZE = 32  # tokens per page when no ContinuousBatchingConfig is given (transformers: 256)
+CPU_MAX_BATCH_TOKENS = 256  # tokens per forward (transformers: 8192, with a mask of 8192 x pool tokens)
+CPU_POOL_TOKENS = 4096  # the pool without a workload to size it (`init_continuous_batching()` alone)
+CPU_POOL_CAP_TOKENS = 16384  # the largest pool sized from a workload ...
+CPU_POOL_CAP_BYTES = 512 * 2**20  # ... and its largest page bytes (a larger batch waits for pages)
+
+
+def pool_for_the_work(
+    config: QKVShareConfig,
+    continuous_batching_config: ContinuousBatchingConfig | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    workload_hints: WorkloadHints | None = None,
+) -> ContinuousBatchingConfig:
+    """The `ContinuousBatchingConfig` to batch with: on CPU, a copy with the sizes it leaves unset filled to fit the
+    work rather than the machine's RAM (transformers' sizing takes 60% of it there); elsewhere `continuous_batching_config`
+    (or transformers' default) as is.
+
+    On CPU: `num_blocks` holds `workload_hints.num_requests` requests of `max_prompt_length + max_generated_length`
+    tokens each, rounded up to pages (what `generate_batch` and paged `generate()` pass), or `CPU_POOL_TOKENS` without
+    hints, capped at `CPU_POOL_CAP_TOKENS` and `CPU_POOL_CAP_BYTES` but never below one request; `max_batch_tokens`
+    is `CPU_MAX_BATCH_TOKENS`; without a config at all, pages are `CPU_PAGE_SIZE` tokens.
+    """
+    if torch.device(device).type != "cpu":
+        return continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
+    if continuous_batching_config is None:
+        sized = ContinuousBatchingConfig(page_size=CPU_PAGE_SIZE)
+    else:
+        sized = copy.deepcopy(continuous_batching_config)
+    if sized.max_batch_tokens is None:
+        sized.max_batch_tokens = CPU_MAX_BATCH_TOKENS
+    if sized.num_blocks is None:
+        page = sized.page_size
+        block_bytes = page * config.kv_cache_bytes_per_token(dtype.itemsize)  # one page of every cached tensor
+        cap = max(1, min(CPU_POOL_CAP_TOKENS // page, CPU_POOL_CAP_BYTES // block_bytes))
+        if workload_hints is not None and workload_hints.max_prompt_length > 0:
+            # A request without max_new_tokens may run to the model's last position.
+            generated = workload_hints.max_generated_length or config.max_position_embeddings
+            per_request = ceil((workload_hints.max_prompt_length + generated) / page)
+            sized.num_blocks = max(per_request, min(max(1, workload_hints.num_requests) * per_request, cap))
+        else:
+            sized.num_blocks = min(ceil(CPU_POOL_TOKENS / page), cap)
+        logger.info(
+            f"QKVSharePagedCache on CPU: a pool of {sized.num_blocks} blocks of {page} tokens "
+            f"({sized.num_blocks * block_bytes:,} bytes of pages) for this work; pass "
+            "ContinuousBatchingConfig(num_blocks=...) to choose"
+        )
+    return sized
 
 
 def check_continuous_batching(config: QKVShareConfig) -> None:
@@ -271,6 +330,19 @@ class QKVSharePagedCache(PagedAttentionCache):
         """Bytes of the page pool, trash sectors included (as transformers' `cache_tensor`)."""
         return self.cache_tensor.nbytes
 
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (and per block: a block is one page of every cached tensor)."""
+        return self.cache_allocators[FULL_ATTENTION].tokens_per_page
+
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds in all (its blocks times the page size): no request longer than this can run."""
+        return self.num_blocks * self.page_size
+
+    def bytes_per_token(self) -> float:
+        """Bytes of pages per cached token: one row of every cached tensor (one per tied layer, two per untied one)."""
+        return self.bytes_per_block / self.page_size
+
     def for_batch(self, layout: CacheLayout, batch: Mapping[str, Any]) -> PagedBatch:
         """This forward's view of the cache, from the forward's keyword arguments (continuous batching's
         `read_index`, `write_index`, `cu_seq_lens_k`); refuses a model of another layout or a forward without them."""
@@ -369,7 +441,26 @@ class QKVShareBatchingManager(ContinuousBatchingManager):
     def cache_nbytes(self) -> int | None:
         """Bytes of the page pool (`QKVSharePagedCache.nbytes`); None before the batch processor exists (it is made
         by `warmup()` or the generation loop)."""
-        return None if self.batch_processor is None else self.batch_processor.cache.nbytes()
+        cache = self.paged_cache()
+        return None if cache is None else cache.nbytes()
+
+    def paged_cache(self) -> QKVSharePagedCache | None:
+        """The page pool the requests of this manager are served from; None before the batch processor exists (the
+        generation loop makes it when it starts)."""
+        processor = self.batch_processor
+        return None if processor is None else processor.cache
+
+    def wait_for_paged_cache(self, timeout: float) -> QKVSharePagedCache:
+        """The page pool, once the started generation loop has made it: a `RuntimeError` if the loop stops first (its
+        error is logged) or takes longer than `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (cache := self.paged_cache()) is None:
+            if not self.is_running():
+                raise RuntimeError("continuous batching: the generation loop stopped while building the page pool")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"continuous batching: no page pool after {timeout:.0f} s")
+            time.sleep(0.02)
+        return cache
 
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         # transformers' ContinuousBatchingManager._create_batch_processor, with a QKVSharePagedCache (no sliding
@@ -434,7 +525,8 @@ class ContinuousBatchingMixin:
     ) -> QKVShareBatchingManager:
         """A `QKVShareBatchingManager` for this model (transformers' `init_continuous_batching`, on a
         `QKVSharePagedCache`): add requests, read results. Raises a ValueError before any work for what the paged
-        cache cannot serve (see `check_continuous_batching`)."""
+        cache cannot serve (see `check_continuous_batching`). On CPU the sizes the config leaves unset fit the work
+        (`pool_for_the_work`), not the machine's RAM."""
         check_continuous_batching(self.config)
         # The rest follows transformers' ContinuousMixin.init_continuous_batching.
         cached_manager = getattr(self, "_cached_continuous_batching_manager", None)
@@ -453,7 +545,10 @@ class ContinuousBatchingMixin:
                     " using the continuous_batching_config kwarg."
                 )
             else:
-                continuous_batching_config = ContinuousBatchingConfig()
+                continuous_batching_config = None
+        continuous_batching_config = pool_for_the_work(
+            self.config, continuous_batching_config, self.dtype, self.device, workload_hints
+        )
         return QKVShareBatchingManager(
             model=self,
             generation_config=generation_config,
@@ -463,6 +558,11 @@ class ContinuousBatchingMixin:
 
 
 __all__ = [
+    "CPU_MAX_BATCH_TOKENS",
+    "CPU_PAGE_SIZE",
+    "CPU_POOL_CAP_BYTES",
+    "CPU_POOL_CAP_TOKENS",
+    "CPU_POOL_TOKENS",
     "TESTED_TRANSFORMERS",
     "ContinuousBatchingMixin",
     "PagedBatch",
@@ -470,4 +570,5 @@ __all__ = [
     "QKVSharePagedCache",
     "TiedPagedAllocator",
     "check_continuous_batching",
+    "pool_for_the_work",
 ]

@@ -1,209 +1,106 @@
-"""`qkvshare serve MODEL_DIR`: transformers' OpenAI-compatible server, serving a QKVShare model with its tied cache.
+"""`qkvshare serve MODEL_DIR`: an OpenAI-compatible HTTP server for a QKVShare model, on its tied cache.
 
-Why a command of our own: `transformers serve` loads a checkpoint through `getattr(transformers,
-config.architectures[0])`, and `QKVShareForCausalLM` is no attribute of the `transformers` module (with or without
-`trust_remote_code`), so it cannot load any QKVShare checkpoint. This command builds the same server from
-transformers' own pieces (`transformers.cli.serving`: model manager, the chat-completion, completion and response
-handlers, `build_server`, uvicorn) with three changes:
-- `QKVShareModelManager` loads the model with `QKVShareForCausalLM` (after `check_weights_fit_config`);
-- the handlers check a request's sampling parameters and messages first (`check_request_fields`): a bad value is
-  an HTTP 400 naming the field, where transformers answers 500 without a message or fails inside generation;
-- every error of a request is answered with its message in OpenAI's shape (`{"error": {"message": ...}}`, which
-  the `openai` client shows; transformers answers `{"detail": ...}` or a bare "Internal Server Error"), and the
-  server keeps serving.
+Endpoints: POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as server-sent events when the
+request says `stream: true`, else one JSON answer), GET /v1/models and /health. Python API: `serve(ServeArgs(...))`
+(the command: load, log, run uvicorn until SIGTERM/SIGINT; `qkvshare_settings.serve.ServeArgs` holds the flags),
+`load_model` and `build_app` (a FastAPI app around a loaded model, e.g. for tests or another ASGI server), and
+`serve_in_subprocess` (the command in a process of its own, for tests and benchmarks).
 
-What is served keeps the one-tensor cache: the server's sequential path calls `model.generate()`, which builds a
-`QKVShareCache` (tied layers hold one tensor). The startup log prints that cache's bytes per token, measured on a
-short prefill, next to the K-and-V-in-every-layer size of the same shape. With `--continuous_batching` the server
-batches through the model's `init_continuous_batching`, on the tied paged cache (`QKVSharePagedCache`); its worker
-and page pool are started at startup (transformers starts them at the first request), so a model the pool cannot
-hold is refused before serving and the log gives the pool's size. transformers' continuous batching applies one
-generation config to every request, so a request asking for other settings is an HTTP 400 (`CheckedRequests`).
+Why an app of our own, not transformers' server (`transformers.cli.serving`): `transformers serve` loads a
+checkpoint through `getattr(transformers, config.architectures[0])` and cannot load a QKVShare model, and its
+request handlers, model manager and generation managers are private API (the previous version of this module
+subclassed `ModelManager._load_model` and the handlers' `_validate_request` / `_build_generation_config`). What a
+server one leaves running needs sits inside those private pieces: its continuous-batching manager dies for good on
+one bad request (an empty prompt, a prompt larger than the page pool), nothing checks a request against the model's
+context or the pool, `n` and `logprobs` are ignored, a client that disconnects keeps its non-streamed generation
+running, there is no bound on concurrent requests or per-request time, and /v1/responses streams unless asked not
+to. Adding those meant overriding more private methods. Instead this server speaks OpenAI's protocol itself
+(`serve_protocol`, standard library only) on transformers' public generation API (`serve_engine`:
+`model.generate()` with a `StoppingCriteria` and a `BaseStreamer`; `model.init_continuous_batching()` and the
+manager's `start`, `add_request`, `get_result`, `cancel_request`, `is_running`, `stop`). The one private dependency
+left is the tied paged cache itself (`paged_cache_qkvshare`, which subclasses transformers' continuous-batching
+internals and checks the transformers version); the sequential server uses public API only.
 
-This rests on transformers' serving modules, which are not public API: tested with
-`paged_cache_qkvshare.TESTED_TRANSFORMERS` (another version is warned about at startup).
+Every request is checked at admission, before any token is generated (an HTTP 4xx with a message, in OpenAI's
+shape `{"error": {"message", "type", "param", "code"}}`):
+- the fields (`serve_protocol`): each known field's value; fields the server does not implement (tools, logit_bias,
+  presence_penalty, ...) are refused by name unless they ask for nothing;
+- the model it names (the server is pinned to MODEL_DIR, as /v1/models lists it);
+- the prompt: not empty, token ids within the vocabulary, prompt + max_tokens within the model's positions
+  (OpenAI's "maximum context length" answer, naming both counts); without max_tokens, chat and responses generate
+  to the end of the context (completions: 16 tokens, OpenAI's default);
+- with `--continuous_batching`: prompt + max_tokens within the page pool (a longer request could never be
+  scheduled), and no sampling setting other than the server's (continuous batching applies one generation config);
+- the load: at most `--max_concurrent_requests` requests generate at once (HTTP 429 beyond, with Retry-After).
+Then limits apply while it runs: generation stops at max_tokens (at most the context's end); a client that closes
+its connection cancels its generation (streamed or not); a request still running after `--request_timeout` seconds
+is stopped (HTTP 504, or an error event in a stream). An error inside one request's generation ends that request
+alone (HTTP 500 with the exception); with continuous batching, a worker that dies anyway is restarted, the
+requests it held get an HTTP 503 (retry), later ones are served, and /health gives the restart count and the error.
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish (up to `--request_timeout`),
+then exits.
 
-The server is pinned to the one model (transformers' `force_model`): requests name it as `/v1/models` lists it
-(the MODEL_DIR given on the command line); another name is an HTTP 400.
+What is served keeps the one-tensor cache: `generate()` builds a `QKVShareCache`, continuous batching runs on a
+`QKVSharePagedCache`. Each non-streamed answer names the cache that served it in the `x-qkvshare-kv-cache` header
+(e.g. "QKVShareCache; 256 bytes/token"), read from that request's own cache; the startup log prints the bytes per
+token of a 16-token prefill next to K-and-V-in-every-layer's, and the page pool's size with continuous batching.
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import copy
+import itertools
+import math
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
-from numbers import Real
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import transformers
-from packaging.specifiers import SpecifierSet
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.completion import CompletionHandler
-from transformers.cli.serving.model_manager import ModelManager
-from transformers.cli.serving.response import ResponseHandler
-from transformers.cli.serving.server import build_server
-from transformers.cli.serving.systemone import SystemOneHandler
-from transformers.cli.serving.transcription import TranscriptionHandler
-from transformers.cli.serving.utils import CBWorkerDeadError, GenerationState, split_revision
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
 from qkvshare.cache_qkvshare import CacheLayout, QKVShareCache
 from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
 from qkvshare.model_dir import check_weights_fit_config
 from qkvshare.modeling_qkvshare import QKVShareForCausalLM
-from qkvshare.paged_cache_qkvshare import TESTED_TRANSFORMERS
+from qkvshare.paged_cache_qkvshare import CPU_MAX_BATCH_TOKENS, CPU_PAGE_SIZE, CPU_POOL_TOKENS
 from qkvshare.runtime import default_device
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+from qkvshare.serve_engine import BatchingEngine, Job, Scorer, SequentialEngine
+from qkvshare.serve_protocol import (
+    ChoiceResult,
+    ParsedRequest,
+    RequestError,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    parse_request,
+    response_body,
+    sse,
+    sse_event,
+    usage_chunk,
+)
+from qkvshare_settings.serve import ServeArgs, check_model_dir
 
 PREFILL_TOKENS = 16  # tokens of the startup prefill whose cache is measured for the log
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# loading
-# ----------------------------------------------------------------------------------------------------------------
-class QKVShareModelManager(ModelManager):
-    """transformers' model manager, loading through `QKVShareForCausalLM` (its own lookup, an attribute of the
-    `transformers` module named by config.json's `architectures`, does not find our class)."""
-
-    def _load_model(self, model_id_and_revision: str, **_: Any) -> QKVShareForCausalLM:
-        model_dir, _revision = split_revision(model_id_and_revision)
-        model = QKVShareForCausalLM.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation=self.attn_implementation
-        )
-        return model.to(self.device).eval()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# requests
-# ----------------------------------------------------------------------------------------------------------------
-def _number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-# Request field -> (test, what the value must be). transformers reads the sampling fields with float()/int() into a
-# `GenerationConfig`: a string is a ValueError (HTTP 500), a value out of range fails inside generation (a 500, or
-# an error event in a stream that already answered 200); malformed messages fail in the chat template.
-# frequency_penalty becomes transformers' repetition_penalty = 1 + frequency_penalty, which must be positive; the
-# other bounds are OpenAI's.
-REQUEST_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "max_tokens": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "max_completion_tokens": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "max_output_tokens": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "temperature": (lambda v: _number(v) and 0 <= v <= 2, "a number from 0 to 2 (0: greedy)"),
-    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "frequency_penalty": (lambda v: _number(v) and -1 < v <= 2, "a number in (-1, 2]"),
-    "seed": (_whole, "a whole number"),
-    "stop": (
-        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-        "a string or a list of strings",
-    ),
-    "messages": (_messages, "a non-empty list of messages, each an object with a role"),
-    "input": (lambda v: isinstance(v, str | list) and bool(v), "a non-empty string or list of input items"),
-}
-
-
-def check_request_fields(body: dict, required: tuple[str, ...] = ()) -> None:
-    """Raise an HTTP 400 naming every field of `body` that `REQUEST_FIELDS` refuses, and every `required` field
-    that is missing."""
-    from fastapi import HTTPException
-
-    bad = [f"{name} is required" for name in required if body.get(name) is None]
-    bad += [
-        f"{name}={body[name]!r} (must be {need})"
-        for name, (test, need) in REQUEST_FIELDS.items()
-        if body.get(name) is not None and not test(body[name])
-    ]
-    if bad:
-        raise HTTPException(status_code=400, detail="Invalid request: " + "; ".join(bad) + ".")
-
-
-# What transformers' continuous batching takes from each request: `max_new_tokens` and the stop token only
-# (`CBGenerateManager.add_request`); every other generation setting is the one config its manager was built with.
-# Setting -> what it means when unset (None, or an empty list or dict), as transformers' generation reads it.
-SHARED_WHEN_BATCHED = {"do_sample": False, "repetition_penalty": 1.0, "sequence_bias": None, "stop_strings": None}
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": None}  # matter only where one of the two configs samples
-
-
-def _setting(config: GenerationConfig, name: str, unset: Any) -> Any:
-    value = getattr(config, name)
-    return unset if value is None or value == [] or value == {} else value
-
-
-def batching_differences(requested: GenerationConfig, shared: GenerationConfig) -> list[str]:
-    """The settings of `requested` that continuous batching would not apply, generating with `shared` instead, as
-    "name=value (the server's: value)"."""
-    names = dict(SHARED_WHEN_BATCHED)
-    if _setting(requested, "do_sample", False) or _setting(shared, "do_sample", False):
-        names.update(SAMPLING)
-    values = {name: (_setting(requested, name, unset), _setting(shared, name, unset)) for name, unset in names.items()}
-    return [f"{name}={mine!r} (the server's: {theirs!r})" for name, (mine, theirs) in values.items() if mine != theirs]
-
-
-class CheckedRequests:
-    """Mixin for transformers' request handlers: `check_request_fields` runs with transformers' own check of the
-    request, before the model is touched; with continuous batching, a request that asks for generation settings it
-    would not apply (`batching_differences`) is an HTTP 400 too, where transformers would ignore them."""
-
-    required: tuple[str, ...] = ()  # fields the endpoint cannot answer without
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The one generation config continuous batching applies to every request, set when it starts
-        # (`start_continuous_batching`); None while each request is generated with its own.
-        self.batching_generation: GenerationConfig | None = None
-
-    def _validate_request(self, body: dict) -> None:
-        from fastapi import HTTPException
-
-        super()._validate_request(body)  # transformers' check: unexpected fields are an HTTP 422
-        check_request_fields(body, self.required)
-        if self.batching_generation is None:
-            return
-        requested = self._build_generation_config(body, self.batching_generation, use_cb=True)
-        differences = batching_differences(requested, self.batching_generation)
-        if differences:
-            raise HTTPException(
-                status_code=400,
-                detail=f"Invalid request: {'; '.join(differences)}. This server batches requests continuously, and "
-                "transformers' continuous batching generates every request with one generation config (the model's; "
-                "only max_tokens and the stop token are per request). Leave these fields out, or serve without "
-                "--continuous_batching.",
-            )
-
-
-class CheckedChatCompletionHandler(CheckedRequests, ChatCompletionHandler):
-    """`/v1/chat/completions` with `check_request_fields`."""
-
-    required = ("messages",)
-
-
-class CheckedCompletionHandler(CheckedRequests, CompletionHandler):
-    """`/v1/completions` with `check_request_fields` (transformers' handler refuses a prompt that is no string)."""
-
-
-class CheckedResponseHandler(CheckedRequests, ResponseHandler):
-    """`/v1/responses` with `check_request_fields`."""
-
-    required = ("input",)
+DEFAULT_MAX_CONCURRENT_REQUESTS = 32
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds (the openai client's own default timeout)
+CB_START_SECONDS = 120.0  # bound on creating the page pool at startup
+CACHE_HEADER = "x-qkvshare-kv-cache"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,151 +137,740 @@ def cache_summary(model: QKVShareForCausalLM, tokens: int = PREFILL_TOKENS) -> s
     kinds = Counter(CacheLayout.for_config(config).layer_kinds)
     held = [f"{count} " + HELD[kind].format(s="" if count == 1 else "s") for kind, count in kinds.items()]
     held += ["token positions kept"] if config.needs_key_positions else []
-    element = torch.finfo(model.dtype).bits // 8
-    both = kv_cache_bytes_per_token(config, element, tied=False)
+    both = kv_bytes_per_token_untied(model)
     return (
         f"KV cache: {cache.nbytes() / tokens:,.0f} bytes/token ({config.variant}: {'; '.join(held)}; K and V in "
         f"every layer would hold {both:,}; {model.dtype})"
     )
 
 
+def kv_bytes_per_token_untied(model: QKVShareForCausalLM) -> int:
+    """Bytes per token of K and V in every layer (what a cache without tied layers holds for this shape)."""
+    return kv_cache_bytes_per_token(model.config, torch.finfo(model.dtype).bits // 8, tied=False)
+
+
+def pool_summary(model: QKVShareForCausalLM, cache: Any) -> str:
+    """The startup line of the page pool: blocks, tokens, bytes, and the tokens the same pages would hold with K
+    and V in every layer."""
+    element = torch.finfo(model.dtype).bits // 8
+    tokens = cache.capacity_tokens()
+    untied = tokens * kv_cache_bytes_per_token(model.config, element) // kv_bytes_per_token_untied(model)
+    return (
+        f"Paged cache (continuous batching): {cache.num_blocks:,} blocks of {cache.page_size} tokens = {tokens:,} "
+        f"tokens in {cache.nbytes():,} bytes; K and V in every layer would fit {untied:,} tokens in these pages"
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# the server
+# loading and settings
 # ----------------------------------------------------------------------------------------------------------------
-def openai_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error answer in OpenAI's shape, `{"error": {"message", "type", "code"}}`: the `openai` client puts that
-    message into the exception it raises (it ignores FastAPI's `{"detail": ...}`)."""
-    from fastapi.responses import JSONResponse
-
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
-
-
-def answer_errors_with_messages(app: FastAPI) -> None:
-    """Every error of a request answered with its message in OpenAI's shape: transformers' HTTP errors (another
-    model: 400, unexpected fields: 422) and ours, a body that is no JSON object (422), and any other exception (500;
-    transformers' server answers a bare "Internal Server Error" there). The server keeps serving after each."""
-    from fastapi import Request
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException
-
-    @app.exception_handler(HTTPException)
-    async def _http(_request: Request, exc: HTTPException) -> JSONResponse:
-        return openai_error(exc.status_code, str(exc.detail), exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _body(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return openai_error(422, f"Invalid request body ({where}); send a JSON object.")
-
-    @app.exception_handler(CBWorkerDeadError)
-    async def _worker(_request: Request, exc: CBWorkerDeadError) -> JSONResponse:
-        return openai_error(503, str(exc))  # transformers' answer, with the message where the client reads it
-
-    @app.exception_handler(Exception)
-    async def _other(_request: Request, exc: Exception) -> JSONResponse:
-        return openai_error(500, f"{type(exc).__name__}: {exc}")
+def load_model(
+    model_dir: str | Path, *, device: str | None = None, dtype: str = "auto", attn_implementation: str | None = None
+) -> tuple[QKVShareForCausalLM, Any]:
+    """The model (on `device`, in eval mode) and tokenizer of a QKVShare model directory. `dtype`: "auto" (as
+    saved) or a torch dtype's name; `attn_implementation`: "sdpa" (default) or "eager"."""
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = QKVShareForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=attn_implementation)
+    model = model.to(device or default_device()).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-# Continuous batching on CPU, when the command line leaves these out: transformers sizes the page pool from free
-# memory (on CPU: most of the RAM) and, for the sdpa and eager backends, allocates an attention mask of
-# max_batch_tokens x (pool tokens + max_batch_tokens) and fills it for every batch: with its defaults, gigabytes and
-# seconds per forward. Small pages also suit short requests (a request holds whole pages).
-CPU_CONTINUOUS_BATCHING = {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 256}
-CB_START_SECONDS = 120.0  # bound on creating the page pool at startup
-
-
-def continuous_batching_config(args: argparse.Namespace, device: str) -> ContinuousBatchingConfig:
-    """The `ContinuousBatchingConfig` of the command line; on CPU, `CPU_CONTINUOUS_BATCHING` for what it leaves out."""
-    from transformers import ContinuousBatchingConfig
-
-    given = {
-        "page_size": args.cb_page_size,
-        "num_blocks": args.cb_num_blocks,
-        "max_batch_tokens": args.cb_max_batch_tokens,
-    }
-    defaults = CPU_CONTINUOUS_BATCHING if torch.device(device).type == "cpu" else {}
-    options = {name: value if value is not None else defaults.get(name) for name, value in given.items()}
+def continuous_batching_config(
+    model: QKVShareForCausalLM,
+    *,
+    page_size: int | None = None,
+    num_blocks: int | None = None,
+    pool_mib: float | None = None,
+    pool_tokens: int | None = None,
+    max_batch_tokens: int | None = None,
+) -> ContinuousBatchingConfig:
+    """The server's `ContinuousBatchingConfig`: the page pool from `num_blocks`, `pool_tokens` (rounded up to whole
+    pages) or `pool_mib` (the blocks of this model's cache that fit), at most one of them; on CPU, pages of
+    `CPU_PAGE_SIZE` tokens, a pool of `CPU_POOL_TOKENS` and `CPU_MAX_BATCH_TOKENS` per forward for what is left
+    out (elsewhere transformers' sizing from free memory)."""
+    sizes = {"num_blocks": num_blocks, "pool_tokens": pool_tokens, "pool_mib": pool_mib}
+    given = [name for name, value in sizes.items() if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"continuous batching: give the page pool once, not as {' and '.join(given)}.")
+    cpu = model.device.type == "cpu"
+    page = page_size or (CPU_PAGE_SIZE if cpu else ContinuousBatchingConfig().page_size)
+    if pool_tokens is not None:
+        num_blocks = math.ceil(pool_tokens / page)
+    elif pool_mib is not None:
+        block = page * model.config.kv_cache_bytes_per_token(torch.finfo(model.dtype).bits // 8)
+        num_blocks = int(pool_mib * 2**20 // block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"continuous batching: a page pool of {pool_mib:g} MiB holds no block of this model ({block:,} bytes "
+                f"for {page} tokens); give more MiB or smaller pages."
+            )
+    elif num_blocks is None and cpu:
+        num_blocks = math.ceil(CPU_POOL_TOKENS / page)
+    if max_batch_tokens is None and cpu:
+        max_batch_tokens = CPU_MAX_BATCH_TOKENS
+    options = {"page_size": page, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens}
     return ContinuousBatchingConfig(**{name: value for name, value in options.items() if value is not None})
 
 
-def start_continuous_batching(
-    state: GenerationState, model: QKVShareForCausalLM, model_id: str, handlers: list[CheckedRequests]
-) -> str:
-    """Start the server's continuous-batching worker now (transformers starts it at the first request) and return
-    the log line of its page pool: a model it cannot batch is refused at startup (`ValueError`), and the pool is
-    sized before the first request waits for it.
+def eos_token_ids(generation_config: GenerationConfig) -> set[int]:
+    eos = generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
-    transformers' server gives its continuous batching the generation config of the first request for every request
-    (only max_tokens and the stop token are per request); started here, that is the model's own generation config,
-    and `handlers` refuse requests that ask for other settings (`CheckedRequests`).
-    """
-    generation_config = handlers[0]._build_generation_config({}, model.generation_config, use_cb=True)
-    manager = state.get_manager(model_id, use_cb=True)
-    manager.init_cb(model, generation_config)  # the model's `init_continuous_batching`: our tied paged cache
-    for handler in handlers:
-        handler.batching_generation = generation_config
-    deadline = time.monotonic() + CB_START_SECONDS
-    while True:
-        if not manager.is_alive():
-            raise RuntimeError(
-                "continuous batching: its worker stopped while building the page pool (see its error above)"
+
+# What continuous batching applies to every request (transformers' manager has one generation config): a request
+# asking for other values is refused there. Setting -> its value when unset, as generation reads it.
+SHARED_WHEN_BATCHED = {"do_sample": False, "repetition_penalty": 1.0}
+SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # matter only where one of the two configs samples
+
+
+def _setting(config: GenerationConfig, name: str, unset: Any) -> Any:
+    value = getattr(config, name)
+    return unset if value is None else value
+
+
+def batching_differences(requested: GenerationConfig, shared: GenerationConfig) -> list[str]:
+    """The settings of `requested` that continuous batching would not apply, generating with `shared` instead, as
+    "name=value (the server's: value)"."""
+    names = dict(SHARED_WHEN_BATCHED)
+    if _setting(requested, "do_sample", False) or _setting(shared, "do_sample", False):
+        names.update(SAMPLING)
+    values = {name: (_setting(requested, name, unset), _setting(shared, name, unset)) for name, unset in names.items()}
+    return [f"{name}={mine!r} (the server's: {theirs!r})" for name, (mine, theirs) in values.items() if mine != theirs]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the server
+# ----------------------------------------------------------------------------------------------------------------
+class ConcurrencyLimit:
+    """At most `limit` requests generating at once (thread-safe: released when a request's last job ends, on
+    whichever thread ends it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Slot:
+        with self._lock:
+            if self.in_flight >= self.limit:
+                raise RequestError(
+                    429,
+                    f"The server is busy: {self.in_flight} requests are being generated, its limit "
+                    f"(qkvshare serve --max_concurrent_requests {self.limit}). Retry shortly.",
+                    code="server_busy",
+                )
+            self.in_flight += 1
+        return Slot(self)
+
+    def _release(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+class Slot:
+    """One admitted request's place under the `ConcurrencyLimit`, given back once (when its last job ends)."""
+
+    def __init__(self, limit: ConcurrencyLimit) -> None:
+        self._limit, self._jobs, self._released = limit, 0, False
+        self._lock = threading.Lock()
+
+    def hold(self, jobs: int) -> None:
+        with self._lock:
+            self._jobs = jobs
+
+    def job_ended(self, _job: Job | None = None) -> None:
+        with self._lock:
+            self._jobs -= 1
+            done = self._jobs <= 0
+        if done:
+            self.release()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._limit._release()
+
+
+@dataclass
+class ServerStats:
+    """What the server has answered, for /health."""
+
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    refused: int = 0  # 4xx at admission
+    busy: int = 0  # 429
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def as_dict(self) -> dict[str, int]:
+        names = ("completed", "failed", "cancelled", "timed_out", "refused", "busy")
+        return {name: getattr(self, name) for name in names}
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+class QKVShareServer:
+    """The served model, its engine and limits, and the FastAPI app answering OpenAI's protocol (`app`)."""
+
+    def __init__(
+        self,
+        model: QKVShareForCausalLM,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        continuous_batching: bool = False,
+        cb_config: ContinuousBatchingConfig | None = None,
+        max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+        request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+    ) -> None:
+        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.context_length = int(model.config.max_position_embeddings)
+        self.vocab_size = int(model.config.vocab_size)
+        self.request_timeout = request_timeout
+        self.limit = ConcurrencyLimit(max_concurrent_requests)
+        self.stats = ServerStats()
+        self.generation_config = copy.deepcopy(model.generation_config)
+        if self.generation_config.pad_token_id is None:
+            self.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id or 0
+        self.eos = eos_token_ids(self.generation_config)
+        scorer = Scorer(model, self._token_text, explicit_mask=continuous_batching)
+        self.pool_tokens: int | None = None
+        if continuous_batching:
+            config = cb_config if cb_config is not None else continuous_batching_config(model)
+            try:
+                self.engine: SequentialEngine | BatchingEngine = BatchingEngine(
+                    model, scorer, self._batching_generation_config(), config, start_seconds=CB_START_SECONDS
+                )
+            except ValueError as err:  # a model or setting the tied paged cache refuses, with the reason
+                raise ValueError(f"{err} Or serve without --continuous_batching (one generate() at a time).") from None
+            self.pool_tokens = self.engine.cache.capacity_tokens()
+        else:
+            self.engine = SequentialEngine(model, scorer, self.generation_config, tokenizer)
+        self.app = self._build_app()
+
+    # -- text helpers ----------------------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _batching_generation_config(self) -> GenerationConfig:
+        config = copy.deepcopy(self.generation_config)
+        config.use_cache = False  # continuous batching keeps its own (paged) cache
+        return config
+
+    def pool_line(self) -> str | None:
+        return pool_summary(self.model, self.engine.cache) if isinstance(self.engine, BatchingEngine) else None
+
+    def limits_line(self) -> str:
+        timeout = f"{self.request_timeout:g} s per request" if self.request_timeout else "no per-request timeout"
+        pool = f"; prompt + max_tokens within the {self.pool_tokens:,}-token page pool" if self.pool_tokens else ""
+        return (
+            f"Limits: {self.limit.limit} requests at once (more get HTTP 429), {timeout}, prompt + max_tokens "
+            f"within the model's {self.context_length:,} positions{pool}"
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- admission -------------------------------------------------------------------------------------------
+    def _check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_id:
+            raise RequestError(
+                400,
+                f"Server is pinned to '{self.model_id}'; requested '{requested}'. Name the model as /v1/models lists "
+                "it.",
+                code="model_not_found",
+                param="model",
             )
+
+    def _generation_overrides(self, request: ParsedRequest) -> dict[str, Any]:
+        overrides = request.sampling.generation_overrides()
+        if isinstance(self.engine, BatchingEngine):
+            shared = self._batching_generation_config()
+            requested = copy.deepcopy(shared)
+            requested.update(**overrides)
+            differences = batching_differences(requested, shared)
+            if request.sampling.seed is not None and _setting(shared, "do_sample", False):
+                differences.append(f"seed={request.sampling.seed} (one random generator for every request)")
+            if differences:
+                raise RequestError(
+                    400,
+                    f"Invalid request: {'; '.join(differences)}. This server batches requests continuously, and "
+                    "transformers' continuous batching generates every request with one generation config (the "
+                    "model's; only max_tokens is per request). Leave these fields out, or serve without "
+                    "--continuous_batching.",
+                )
+            return {}
+        return overrides
+
+    def _prompts(self, request: ParsedRequest) -> list[tuple[list[int], str | None]]:
+        """(token ids, prompt text or None) per prompt of the request (the chat template applied to messages)."""
+        if request.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError(
+                    400,
+                    "This model's tokenizer has no chat template, so it cannot answer chat messages; use "
+                    "/v1/completions with a plain prompt.",
+                )
+            try:
+                encoded = self.tokenizer.apply_chat_template(
+                    request.messages, add_generation_prompt=True, return_dict=True
+                )
+            except Exception as err:  # noqa: BLE001 - a template refusing these messages is the request's fault
+                raise RequestError(400, f"Invalid request: the chat template refused these messages: {err}") from None
+            return [(list(encoded["input_ids"]), None)]
+        prompts = []
+        for prompt in request.prompts:
+            if isinstance(prompt, str):
+                prompts.append((list(self.tokenizer(prompt)["input_ids"]), prompt))
+            else:
+                prompts.append((list(prompt), None))
+        return prompts
+
+    def _admit(self, request: ParsedRequest, ids: list[int]) -> int:
+        """The number of tokens to generate for a prompt of `ids`; an HTTP 400 when the request cannot be served
+        (empty prompt, token ids outside the vocabulary, beyond the context or the page pool)."""
+        what = "prompt" if request.endpoint == "completions" else "messages"
+        prompt = len(ids)
+        if prompt == 0:
+            raise RequestError(
+                400, "Invalid request: the prompt is empty (0 tokens); give at least one token.", "empty_prompt", what
+            )
+        outside = [t for t in ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise RequestError(
+                400,
+                f"Invalid request: token ids {outside[:5]} are outside this model's vocabulary (0 to "
+                f"{self.vocab_size - 1}).",
+                "invalid_token",
+                what,
+            )
+        limit, room = self.context_length, self.context_length - prompt
+        asked = request.max_tokens
+        if prompt > limit or (asked is not None and prompt + asked > limit):
+            completion = f", {asked} in the completion" if asked else ""
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt + (asked or 0)} tokens ({prompt} in the {what}{completion}). Please reduce the length of "
+                f"the {what} or completion.",
+                "context_length_exceeded",
+                what,
+            )
+        if self.pool_tokens is not None:
+            if prompt + (asked or 0) > self.pool_tokens or (asked is None and prompt >= self.pool_tokens):
+                raise RequestError(
+                    400,
+                    f"This request needs {prompt + (asked or 1)} tokens of cache ({prompt} in the {what}, "
+                    f"{asked or 1} in the completion) but the server's page pool holds {self.pool_tokens} tokens in "
+                    "all, so it could never run. Reduce max_tokens or the prompt (or serve with a larger "
+                    "--cb_pool_tokens / --cb_pool_mib).",
+                    "pool_exceeded",
+                    what,
+                )
+            room = min(room, self.pool_tokens - prompt)
+        if request.stream and (request.logprobs is not None or request.echo):
+            raise RequestError(400, "Invalid request: logprobs and echo are not implemented with stream=true.")
+        return room if asked is None else asked
+
+    # -- the app ---------------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+            yield
+            await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+        app = FastAPI(lifespan=lifespan, title="qkvshare serve")
+
+        @app.exception_handler(RequestError)
+        async def _refused(_request: Request, exc: RequestError) -> JSONResponse:
+            headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+            return JSONResponse(exc.body(), exc.status, headers=headers)
+
+        @app.exception_handler(HTTPException)
+        async def _http(_request: Request, exc: HTTPException) -> JSONResponse:
+            return JSONResponse(RequestError(exc.status_code, str(exc.detail)).body(), exc.status_code, exc.headers)
+
+        @app.exception_handler(RequestValidationError)
+        async def _body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+            return JSONResponse(RequestError(422, f"Invalid request body: {exc.errors()}").body(), 422)
+
+        @app.exception_handler(Exception)
+        async def _other(_request: Request, exc: Exception) -> JSONResponse:
+            return JSONResponse(RequestError(500, f"{type(exc).__name__}: {exc}").body(), 500)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            entry = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "qkvshare"}
+            return JSONResponse({"object": "list", "data": [entry]})
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            engine = self.engine
+            body = {
+                "status": "ok" if engine.healthy else getattr(engine, "state", "dead"),
+                "mode": engine.mode,
+                "worker_restarts": engine.restarts,
+                "last_worker_error": engine.last_error,
+                "requests_in_flight": self.limit.in_flight,
+                "max_concurrent_requests": self.limit.limit,
+                "requests": self.stats.as_dict(),
+            }
+            return JSONResponse(body, 200 if engine.healthy else 503)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            return await self.handle("completions", request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Any:
+            return await self.handle("chat.completions", request)
+
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Any:
+            return await self.handle("responses", request)
+
+        return app
+
+    # -- one request -----------------------------------------------------------------------------------------
+    async def handle(self, endpoint: str, http_request: Request) -> Any:
         try:
-            cache = manager.scheduler.cache  # there once the worker has built the batch processor and its pool
-            break
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"continuous batching: no page pool after {CB_START_SECONDS:.0f} s") from None
-            time.sleep(0.05)
-    config, element = model.config, torch.finfo(model.dtype).bits // 8
-    page = next(iter(cache.cache_allocators.values())).tokens_per_page
-    tokens = cache.num_blocks * page
-    both = kv_cache_bytes_per_token(config, element, tied=False)
-    return (
-        f"Paged cache (continuous batching): {cache.num_blocks:,} blocks of {page} tokens = {tokens:,} tokens in "
-        f"{cache.cache_tensor.nbytes:,} bytes; K and V in every layer would fit "
-        f"{tokens * kv_cache_bytes_per_token(config, element) // both:,} tokens in these pages"
-    )
+            try:
+                body = await http_request.json()
+            except Exception:  # noqa: BLE001 - any undecodable body
+                raise RequestError(422, "Invalid request body (not JSON); send a JSON object.") from None
+            request = parse_request(endpoint, body)
+            self._check_model(request.model)
+            overrides = self._generation_overrides(request)
+        except RequestError as err:
+            self.stats.count("refused")
+            raise err from None
+        try:
+            slot = self.limit.acquire()
+        except RequestError:
+            self.stats.count("busy")
+            raise
+        try:
+            prompts = await run_in_threadpool(self._prompts, request)
+            plans = [(ids, text, self._admit(request, ids)) for ids, text in prompts]
+        except BaseException as err:
+            slot.release()
+            if isinstance(err, RequestError):
+                self.stats.count("refused")
+            raise
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else math.inf
+        jobs = [
+            Job(
+                ids,
+                max_new,
+                decode=self._decode,
+                eos_token_ids=self.eos,
+                n=request.n,
+                generation=overrides,
+                seed=request.sampling.seed,
+                stop=request.stop,
+                logprobs=request.logprobs,
+                echo=request.echo,
+                prompt_text=text,
+                stream=request.stream,
+                deadline=deadline,
+                timeout_seconds=self.request_timeout,
+                on_end=lambda job: self._job_ended(job, slot),
+            )
+            for ids, text, max_new in plans
+        ]
+        slot.hold(len(jobs))
+        for job in jobs:
+            self.engine.submit(job)
+        request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{jobs[0].id}"
+        if request.stream:
+            stream = self._stream(endpoint, request, jobs[0], request_id, len(plans[0][0]))
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            await self._wait(jobs, http_request)
+        except ClientGone:
+            return Response(status_code=499)
+        failed = next((job.error for job in jobs if job.error is not None), None)
+        if failed is not None:
+            raise failed
+        choices, prompt_tokens = [], 0
+        for p, job in enumerate(jobs):
+            prompt_tokens += len(job.prompt_ids)
+            for result in job.results:
+                result.index = p * request.n + result.index
+                choices.append(result)
+        headers = {CACHE_HEADER: jobs[0].cache_info} if jobs[0].cache_info else None
+        if endpoint == "completions":
+            answer = completion_body(request_id, self.model_id, choices, prompt_tokens)
+        elif endpoint == "chat.completions":
+            answer = chat_body(request_id, self.model_id, choices, prompt_tokens)
+        else:
+            answer = response_body(jobs[0].id, self.model_id, choices[0], prompt_tokens)
+        return JSONResponse(answer, headers=headers)
+
+    def _job_ended(self, job: Job, slot: Slot) -> None:
+        if job.error is None and job.results is not None:
+            self.stats.count("completed")
+        elif job.error is not None and job.error.status == 499:
+            self.stats.count("cancelled")
+        elif job.error is not None and job.error.status == 504:
+            self.stats.count("timed_out")
+        else:
+            self.stats.count("failed")
+        slot.job_ended(job)
+
+    async def _wait(self, jobs: list[Job], http_request: Request) -> None:
+        """Wait for every job; a client that closes its connection cancels them (`ClientGone`)."""
+        while pending := [job.future for job in jobs if not job.future.done()]:
+            await asyncio.wait(pending, timeout=0.2)
+            if not any(not job.future.done() for job in jobs):
+                return
+            if await http_request.is_disconnected():
+                for job in jobs:
+                    job.cancel()
+                raise ClientGone
+            if any(time.monotonic() > job.deadline + 5.0 for job in jobs):  # the engine should have stopped it
+                for job in jobs:
+                    job.timed_out = True
+                    job.end_stopped()
+
+    async def _stream(
+        self, endpoint: str, request: ParsedRequest, job: Job, request_id: str, prompt_tokens: int
+    ) -> AsyncIterator[str]:
+        """Server-sent events of one job: OpenAI's chunks (completions, chat) or response events (responses)."""
+        texts = [""] * request.n
+        sequence = itertools.count()
+        try:
+            if endpoint == "chat.completions":
+                for i in range(request.n):
+                    yield sse(chat_chunk(request_id, self.model_id, i, {"role": "assistant", "content": ""}, None))
+            elif endpoint == "responses":
+                for event in response_stream_start(job.id, self.model_id, sequence):
+                    yield event
+            while True:
+                assert job.events is not None
+                item = await job.events.get()
+                if item[0] == "text":
+                    _, index, text = item
+                    texts[index] += text
+                    if endpoint == "completions":
+                        yield sse(completion_chunk(request_id, self.model_id, index, text, None))
+                    elif endpoint == "chat.completions":
+                        yield sse(chat_chunk(request_id, self.model_id, index, {"content": text}, None))
+                    else:
+                        yield sse_event(
+                            "response.output_text.delta",
+                            {**_text_part(job.id), "delta": text, "logprobs": [], "sequence_number": next(sequence)},
+                        )
+                elif item[0] == "end" and endpoint != "responses":
+                    _, index, reason = item
+                    if endpoint == "completions":
+                        yield sse(completion_chunk(request_id, self.model_id, index, "", reason))
+                    else:
+                        yield sse(chat_chunk(request_id, self.model_id, index, {}, reason))
+                elif item[0] == "error":
+                    error = item[1]
+                    if endpoint == "responses":
+                        yield sse_event(
+                            "error", {"message": error.message, "code": str(error.code), "sequence_number": 0}
+                        )
+                    else:
+                        yield sse(error.body())
+                    return
+                elif item[0] == "done":
+                    break
+            completion_tokens = sum(r.completion_tokens for r in job.results or [])
+            if endpoint == "responses":
+                result = (job.results or [None])[0]
+                for event in response_stream_end(job.id, self.model_id, result, prompt_tokens, sequence):
+                    yield event
+                return
+            if request.include_usage:
+                kind = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+                yield sse(usage_chunk(request_id, self.model_id, kind, prompt_tokens, completion_tokens))
+            yield sse("[DONE]")
+        finally:
+            job.cancel()  # a client gone mid-stream stops the generation (no-op once the job has ended)
 
 
-def build_app(args: argparse.Namespace) -> tuple[FastAPI, QKVShareForCausalLM, str | None]:
-    """transformers' server app with the model of `args.model_dir` loaded (see the module docstring); returns the
-    app, the model and, with `--continuous_batching`, the log line of the page pool (else None)."""
-    device = args.device or default_device()
-    manager = QKVShareModelManager(
-        device=device,
-        dtype=args.dtype,  # a canonical --dtype name: "auto" or a torch dtype's name, as transformers' manager takes
-        attn_implementation=args.attn_implementation,
-        continuous_batching=args.continuous_batching,
-        force_model=args.model_dir,
-    )
-    model_id = manager.process_model_name(args.model_dir)
-    model, _tokenizer = manager.load_model_and_processor(model_id)
-    cb_config = continuous_batching_config(args, device) if args.continuous_batching else None
-    state = GenerationState(continuous_batching=args.continuous_batching, cb_config=cb_config)
-    shared = dict(model_manager=manager, generation_state=state)
-    handlers = [
-        CheckedChatCompletionHandler(**shared),
-        CheckedCompletionHandler(**shared),
-        CheckedResponseHandler(**shared),
+def _text_part(job_id: str) -> dict:
+    return {"item_id": f"msg_{job_id}", "output_index": 0, "content_index": 0}
+
+
+def response_stream_start(job_id: str, model_id: str, sequence: Iterator[int]) -> list[str]:
+    """The events that open a streamed /v1/responses answer."""
+    response = response_body(job_id, model_id, None, 0, status="in_progress")
+    item = {"id": f"msg_{job_id}", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    return [
+        sse_event("response.created", {"response": response, "sequence_number": next(sequence)}),
+        sse_event("response.in_progress", {"response": response, "sequence_number": next(sequence)}),
+        sse_event("response.output_item.added", {"output_index": 0, "item": item, "sequence_number": next(sequence)}),
+        sse_event(
+            "response.content_part.added", {**_text_part(job_id), "part": part, "sequence_number": next(sequence)}
+        ),
     ]
-    app = build_server(
-        manager,
-        handlers[0],
-        completion_handler=handlers[1],
-        response_handler=handlers[2],
-        transcription_handler=TranscriptionHandler(manager, state),
-        systemone_handler=SystemOneHandler(**shared),
-        generation_state=state,
+
+
+def response_stream_end(
+    job_id: str, model_id: str, result: ChoiceResult | None, prompt_tokens: int, sequence: Iterator[int]
+) -> list[str]:
+    """The events that close a streamed /v1/responses answer (the whole text, then the completed response)."""
+    response = response_body(job_id, model_id, result, prompt_tokens)
+    text = result.text if result is not None else ""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    item = response["output"][0]
+    return [
+        sse_event(
+            "response.output_text.done",
+            {**_text_part(job_id), "text": text, "logprobs": [], "sequence_number": next(sequence)},
+        ),
+        sse_event(
+            "response.content_part.done", {**_text_part(job_id), "part": part, "sequence_number": next(sequence)}
+        ),
+        sse_event("response.output_item.done", {"output_index": 0, "item": item, "sequence_number": next(sequence)}),
+        sse_event("response.completed", {"response": response, "sequence_number": next(sequence)}),
+    ]
+
+
+def build_app(
+    model: QKVShareForCausalLM,
+    tokenizer: Any,
+    *,
+    model_id: str,
+    continuous_batching: bool = False,
+    cb_page_size: int | None = None,
+    cb_num_blocks: int | None = None,
+    cb_pool_mib: float | None = None,
+    cb_pool_tokens: int | None = None,
+    cb_max_batch_tokens: int | None = None,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+) -> QKVShareServer:
+    """The server of a loaded model: `.app` is the FastAPI app (run it with uvicorn), `.engine` what generates,
+    `.close()` stops it (the app's shutdown does). Requests name the model `model_id`. With
+    `continuous_batching`, the worker and its page pool start now (a model the tied paged cache cannot serve is a
+    `ValueError` with the reason); the pool from `cb_num_blocks`, `cb_pool_tokens` or `cb_pool_mib`
+    (`continuous_batching_config`). `request_timeout` in seconds (None: none)."""
+    cb_config = None
+    if continuous_batching:
+        cb_config = continuous_batching_config(
+            model,
+            page_size=cb_page_size,
+            num_blocks=cb_num_blocks,
+            pool_mib=cb_pool_mib,
+            pool_tokens=cb_pool_tokens,
+            max_batch_tokens=cb_max_batch_tokens,
+        )
+    return QKVShareServer(
+        model,
+        tokenizer,
+        model_id=model_id,
+        continuous_batching=continuous_batching,
+        cb_config=cb_config,
+        max_concurrent_requests=max_concurrent_requests,
+        request_timeout=request_timeout,
     )
-    answer_errors_with_messages(app)
-    if not args.continuous_batching:
-        return app, model, None
+
+
+def serve(args: ServeArgs) -> None:
+    """`qkvshare serve MODEL_DIR`: serve the model of `args.model_dir` until SIGTERM or SIGINT (the requests in
+    flight finish first). Prints the model, its cache bytes per token, the page pool and the limits first. A model
+    directory or setting it cannot serve is a `ValueError` (with the reason) before anything listens."""
+    import uvicorn
+
+    check_model_dir(args.model_dir)
+    check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
+    model, tokenizer = load_model(
+        args.model_dir, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation
+    )
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    server = build_app(
+        model,
+        tokenizer,
+        model_id=str(args.model_dir),
+        continuous_batching=args.continuous_batching,
+        cb_page_size=args.cb_page_size,
+        cb_num_blocks=args.cb_num_blocks,
+        cb_pool_mib=args.cb_pool_mib,
+        cb_pool_tokens=args.cb_pool_tokens,
+        cb_max_batch_tokens=args.cb_max_batch_tokens,
+        max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout=args.request_timeout or None,
+    )
+    print(f"Serving {args.model_dir} ({model.config.variant}, {model.dtype}, {model.device})", flush=True)
+    print(cache_summary(model), flush=True)
+    if (pool := server.pool_line()) is not None:
+        print(pool, flush=True)
+    print(server.limits_line(), flush=True)
+    timeout = server.request_timeout
+    config = uvicorn.Config(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(timeout) + 5 if timeout else None,
+    )
+    uvicorn.Server(config).run()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command in a subprocess (tests, benchmarks)
+# ----------------------------------------------------------------------------------------------------------------
+def start_serve_process(
+    model_dir: str | Path,
+    flags: Iterable[str] = (),
+    log_path: str | Path = "serve.log",
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start `qkvshare serve MODEL_DIR --port 0 FLAGS` in a new process (this interpreter, this package), its output
+    to `log_path`, and return at once (`wait_for_url` tells when it listens). `env` is added to this process's
+    environment."""
+    root = str(Path(__file__).resolve().parents[1])  # the package this process runs, not another install
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    argv = [sys.executable, "-m", "qkvshare_cli", "serve", str(model_dir), "--port", "0", *flags]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONPATH": path}
+        )
+
+
+def wait_for_url(process: subprocess.Popen, log_path: str | Path, startup_seconds: float = 120.0) -> str:
+    """The base URL (e.g. "http://127.0.0.1:41489") of a server started by `start_serve_process`, once it listens:
+    read from uvicorn's "Uvicorn running on URL" line (so `--log_level` must stay info or debug). A `RuntimeError`
+    with the log when it exits or does not listen within `startup_seconds`."""
+    log_path = Path(log_path)
+    deadline = time.monotonic() + startup_seconds
+    while (found := re.search(r"Uvicorn running on (http://\S+)", log_path.read_text())) is None:
+        if process.poll() is not None:
+            raise RuntimeError(f"qkvshare serve exited ({process.returncode}):\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"qkvshare serve is not up after {startup_seconds:.0f} s:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    return found.group(1)
+
+
+def stop_serve_process(process: subprocess.Popen) -> None:
+    """SIGTERM (the server lets its requests finish), then SIGKILL after 10 s."""
+    if process.poll() is None:
+        process.terminate()
     try:
-        return app, model, start_continuous_batching(state, model, model_id, handlers)
-    except ValueError as err:  # a model or setting the tied paged cache refuses, with the reason
-        raise ValueError(f"{err} Or serve without --continuous_batching (one generate() at a time).") from None
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager
@@ -395,57 +881,11 @@ def serve_in_subprocess(
     startup_seconds: float = 120.0,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `qkvshare serve MODEL_DIR --port 0 FLAGS` in a new process (this interpreter, this package), its output
-    to `log_path`; yield (its base URL, e.g. "http://127.0.0.1:41489", the process) once it listens, and stop it on
-    exit. A `RuntimeError` with the log when it exits or does not listen within `startup_seconds`.
-
-    For tests and benchmarks: the port is a free one the server picks itself (no race with other processes), read
-    from uvicorn's "Uvicorn running on URL" line (so `--log_level` must stay info or debug); `env` is added to this
-    process's environment."""
-    root = str(Path(__file__).resolve().parents[1])  # the package this process runs, not another install
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    argv = [sys.executable, "-m", "qkvshare_cli", "serve", str(model_dir), "--port", "0", *flags]
-    log_path = Path(log_path)
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONPATH": path}
-        )
+    """Run `qkvshare serve MODEL_DIR --port 0 FLAGS` in a new process, its output to `log_path`; yield (its base
+    URL, the process) once it listens, and stop it on exit. For tests and benchmarks: the port is a free one the
+    server picks itself (no race with other processes). See `start_serve_process` and `wait_for_url`."""
+    process = start_serve_process(model_dir, flags, log_path, env)
     try:
-        deadline = time.monotonic() + startup_seconds
-        while (found := re.search(r"Uvicorn running on (http://\S+)", log_path.read_text())) is None:
-            if process.poll() is not None:
-                raise RuntimeError(f"qkvshare serve exited ({process.returncode}):\n{log_path.read_text()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"qkvshare serve is not up after {startup_seconds:.0f} s:\n{log_path.read_text()}")
-            time.sleep(0.1)
-        yield found.group(1), process
+        yield wait_for_url(process, log_path, startup_seconds), process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def serve(args: argparse.Namespace) -> None:
-    """`qkvshare serve MODEL_DIR`: load the model, print its cache size, serve until stopped. A model directory that
-    cannot be served is a `ValueError` before anything listens."""
-    import uvicorn
-
-    check_weights_fit_config(args.model_dir, model_class=QKVShareForCausalLM)
-    if not SpecifierSet(TESTED_TRANSFORMERS).contains(transformers.__version__, prereleases=True):
-        print(
-            f"qkvshare serve: warning: this server builds on transformers' serving modules (not public API), tested "
-            f"with transformers{TESTED_TRANSFORMERS}; {transformers.__version__} is installed. If it fails, install "
-            f'"transformers{TESTED_TRANSFORMERS}".',
-            file=sys.stderr,
-        )
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    app, model, pool = build_app(args)  # a ValueError when continuous batching is refused (it says what to use)
-    print(f"Serving {args.model_dir} ({model.config.variant}, {model.dtype}, {model.device})", flush=True)
-    print(cache_summary(model), flush=True)
-    if pool is not None:
-        print(pool, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        stop_serve_process(process)

@@ -120,7 +120,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(
         "qkvshare_settings.serve:parse_args",
         "qkvshare.serve:serve",
-        "an OpenAI-compatible server (transformers') for a QKVShare model, with the one-tensor cache",
+        "an OpenAI-compatible server for a QKVShare model, with the one-tensor cache",
         extras=("serve",),
     ),
 }

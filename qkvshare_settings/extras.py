@@ -38,8 +38,8 @@ EXTRAS: dict[str, dict[str, str]] = {
     "vision": {"sklearn": "scikit-learn", "PIL": "pillow", "datasets": "datasets"},
     # The quanto backend of `QKVShareQuantizedCache`; transformers imports `optimum.quanto` when the cache is built.
     "quantized": {"optimum": "optimum-quanto"},
-    # qkvshare serve: transformers' server (fastapi, uvicorn; starlette and pydantic come with fastapi) and the openai
-    # package, whose types transformers' handlers build their answers with.
+    # qkvshare serve: its FastAPI app under uvicorn (starlette and pydantic come with fastapi), and openai, the client
+    # the README and the tests use (the server itself does not import it).
     "serve": {"fastapi": "fastapi", "uvicorn": "uvicorn", "openai": "openai"},
     # qkvshare export: each --format checks the modules it needs (qkvshare_settings.export.FORMAT_MODULES)
     "export": {

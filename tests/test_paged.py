@@ -139,6 +139,56 @@ def test_a_shared_prefix_is_read_from_the_first_requests_pages(monkeypatch):
     assert generated == expected
 
 
+def test_on_cpu_the_pool_fits_the_work_not_the_machines_memory(monkeypatch):
+    """Issue 24, item 4: without a ContinuousBatchingConfig, transformers sized the pool from free memory (on CPU
+    60% of the RAM: a 115k-parameter model took 11-13 GB). Now generate_batch, paged generate() and
+    init_continuous_batching() on CPU get a pool that fits the work (requests x (prompt + max_new_tokens), in whole
+    pages) or the stated default, whatever the machine has; a given num_blocks is kept. The "machine" here has 256 MiB
+    free, so a pool sized from memory would be tens of MiB."""
+    from math import ceil
+
+    from qkvshare.compat_qkvshare import PagedAttentionMemoryHandler, WorkloadHints
+
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 256 * 2**20)
+    made = []
+    init = QKVSharePagedCache.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(QKVSharePagedCache, "__init__", recording)
+    model = tiny_lm("Q-K=V")
+    inputs = prompts()
+    outputs = model.generate_batch(inputs, generation_config=GenerationConfig(**GREEDY))
+    assert [output.generated_tokens for output in outputs.values()] == generated_one_by_one(model, inputs)
+    page = 32  # CPU_PAGE_SIZE
+    per_request = ceil((max(PROMPT_LENGTHS) + NEW_TOKENS) / page)
+    block = 2 * page * 4 * 16 * 4  # one page per tied layer: 4 heads x 16 dims x fp32 rows
+    assert made[-1].nbytes() == (len(inputs) * per_request + 2) * block  # 8 blocks: 64 KiB, not tens of MiB
+    assert (made[-1].page_size, made[-1].num_blocks) == (page, len(inputs) * per_request)
+
+    from qkvshare.paged_cache_qkvshare import CPU_PAGE_SIZE, CPU_POOL_CAP_TOKENS, CPU_POOL_TOKENS, pool_for_the_work
+
+    assert page == CPU_PAGE_SIZE
+    model.generate(
+        torch.tensor([inputs[0]]), generation_config=GenerationConfig(**GREEDY), cache_implementation="paged"
+    )
+    assert made[-1].num_blocks == 1  # one request of 11 tokens: one page
+    manager = model.init_continuous_batching(GenerationConfig(**GREEDY))
+    manager.start()
+    try:
+        assert manager.wait_for_paged_cache(30).capacity_tokens() == CPU_POOL_TOKENS  # no workload: the default
+    finally:
+        manager.stop(block=True)
+    hints = WorkloadHints(max_prompt_length=100, max_generated_length=28, num_requests=10_000)
+    sized = pool_for_the_work(model.config, None, torch.float32, "cpu", hints)
+    assert sized.num_blocks * sized.page_size == CPU_POOL_CAP_TOKENS  # a large batch waits for pages
+    one_long = WorkloadHints(max_prompt_length=20_000, max_generated_length=1_000, num_requests=1)
+    assert pool_for_the_work(model.config, None, torch.float32, "cpu", one_long).num_blocks == ceil(21_000 / 32)
+    assert pool_for_the_work(model.config, batching_config(), torch.float32, "cpu", hints).num_blocks == NUM_BLOCKS
+
+
 @pytest.mark.parametrize(
     "variant, overrides, cached_tensors",
     [
