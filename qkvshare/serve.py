@@ -42,7 +42,7 @@ then exits.
 
 What is served keeps the one-tensor cache: `generate()` builds a `QKVShareCache`, continuous batching runs on a
 `QKVSharePagedCache`. Each non-streamed answer names the cache that served it in the `x-qkvshare-kv-cache` header
-(e.g. "QKVShareCache; 256 bytes/token"), read from that request's own cache; the startup log prints the bytes per
+(e.g. "QKVShareCache; 256 bytes/token; torch.float32"), read from that request's own cache; the startup log prints the bytes per
 token of a 16-token prefill next to K-and-V-in-every-layer's, and the page pool's size with continuous batching.
 """
 
@@ -124,9 +124,10 @@ HELD = {
 
 
 def cache_summary(model: QKVShareForCausalLM, tokens: int = PREFILL_TOKENS) -> str:
-    """One line for the startup log: the KV-cache bytes per token measured after a prefill of `tokens` tokens,
-    what the layers hold, and what K and V in every layer would hold, e.g. "KV cache: 11,520 bytes/token (Q-K=V:
-    30 tied layers, one tensor each; K and V in every layer would hold 23,040; torch.bfloat16)"."""
+    """One line for the startup log: the KV-cache bytes per token in 16-bit (the figure every command gives), what
+    the layers hold and what K and V in every layer would hold, then the bytes measured in the served dtype after a
+    prefill of `tokens` tokens, e.g. "KV cache: 11,520 bytes/token in 16-bit (Q-K=V: 30 tied layers, one tensor
+    each; K and V in every layer would hold 23,040); measured in this server's torch.float32 cache: 23,040"."""
     config = model.config
     cache = prefilled_cache(model, tokens)
     if config.attention_kernel == "linear":
@@ -137,10 +138,11 @@ def cache_summary(model: QKVShareForCausalLM, tokens: int = PREFILL_TOKENS) -> s
     kinds = Counter(CacheLayout.for_config(config).layer_kinds)
     held = [f"{count} " + HELD[kind].format(s="" if count == 1 else "s") for kind, count in kinds.items()]
     held += ["token positions kept"] if config.needs_key_positions else []
-    both = kv_bytes_per_token_untied(model)
+    sixteen = kv_cache_bytes_per_token(config, 2, positions=True)
+    both = kv_cache_bytes_per_token(config, 2, tied=False)
     return (
-        f"KV cache: {cache.nbytes() / tokens:,.0f} bytes/token ({config.variant}: {'; '.join(held)}; K and V in "
-        f"every layer would hold {both:,}; {model.dtype})"
+        f"KV cache: {sixteen:,} bytes/token in 16-bit ({config.variant}: {'; '.join(held)}; K and V in every layer "
+        f"would hold {both:,}); measured in this server's {model.dtype} cache: {cache.nbytes() / tokens:,.0f}"
     )
 
 

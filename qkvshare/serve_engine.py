@@ -167,7 +167,9 @@ class Job:
         self.cancelled = threading.Event()
         self.error: RequestError | None = None
         self.results: list[ChoiceResult] | None = None
-        self.cache_info: str | None = None  # the cache that served it, e.g. "QKVShareCache; 256 bytes/token"
+        self.cache_info: str | None = (
+            None  # the cache that served it, e.g. "QKVShareCache; 256 bytes/token; torch.float32"
+        )
         self.timed_out = False
         self.started = False
         self._ended = False
@@ -505,7 +507,8 @@ class SequentialEngine:
         cache = getattr(out, "cache", None)
         cached = cache.get_seq_length() if cache is not None else 0
         if cache is not None and cached:
-            job.cache_info = f"{type(cache).__name__}; {cache_bytes(cache) / (cached * job.n):g} bytes/token"
+            per_token = cache_bytes(cache) / (cached * job.n)
+            job.cache_info = f"{type(cache).__name__}; {per_token:g} bytes/token; {self.model.dtype}"
         for choice in job.choices:
             if choice.finish_reason is None and not job.should_stop():
                 job.finish_choice(choice.index, "length")
@@ -589,7 +592,7 @@ class BatchingEngine:
                 job.fail(self._unavailable())
                 return
             manager, cache = self.manager, self.cache
-            job.cache_info = f"{type(cache).__name__}; {cache.bytes_per_token():g} bytes/token"
+            job.cache_info = f"{type(cache).__name__}; {cache.bytes_per_token():g} bytes/token; {self.model.dtype}"
             ids = [f"{job.id}.{i}" for i in range(job.n)]
             for i, request_id in enumerate(ids):
                 self._active[request_id] = (job, i)

@@ -200,9 +200,12 @@ def test_startup_log_names_what_each_layout_holds(fields, held, extra):
 
     config = QKVShareConfig.from_preset("tiny", **fields)
     model = QKVShareForCausalLM(config).eval()
-    line = cache_summary(model)
-    assert line.startswith(f"KV cache: {config.kv_cache_bytes_per_token(4) + extra:,} bytes/token ({config.variant}: ")
-    assert f": {held}; K and V in every layer would hold 1,024; torch.float32)" in line
+    line = cache_summary(model)  # 16-bit, as every command gives it; then what the float32 cache measured
+    assert line.startswith(
+        f"KV cache: {config.kv_cache_bytes_per_token(2) + extra:,} bytes/token in 16-bit ({config.variant}: "
+    )
+    assert f": {held}; K and V in every layer would hold 512); measured in this server's torch.float32 cache: " in line
+    assert line.endswith(f"cache: {config.kv_cache_bytes_per_token(4) + extra:,}")
 
 
 def test_startup_log_of_linear_attention_gives_the_constant_state():
@@ -614,8 +617,8 @@ def test_startup_log_gives_the_tied_cache_size_the_pool_and_the_limits(server, m
     tied = config.kv_cache_bytes_per_token(4)  # fp32: the two tied layers hold one tensor each
     both = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     assert tied * 2 == both == 2 * TIED_BYTES  # every layer is tied: half of K and V
-    line = f"KV cache: {tied:,} bytes/token (Q-K=V: 2 tied layers, one tensor each; K and V in every layer would "
-    assert f"{line}hold {both:,}; torch.float32)" in log
+    line = f"KV cache: {tied // 2:,} bytes/token in 16-bit (Q-K=V: 2 tied layers, one tensor each; K and V in every "
+    assert f"{line}layer would hold {both // 2:,}); measured in this server's torch.float32 cache: {tied:,}" in log
     pool = re.search(
         r"Paged cache \(continuous batching\): 8 blocks of 16 tokens = 128 tokens in ([\d,]+) bytes; "
         r"K and V in every layer would fit 64 tokens in these pages",
@@ -655,7 +658,7 @@ def test_the_cache_that_served_a_request_is_the_tied_one(server, client, model_d
         answer = client.chat.completions.with_raw_response.create(
             model=str(model_dir), messages=[{"role": "user", "content": TEXTS[1]}], max_tokens=4, temperature=0, n=n
         )
-        assert answer.headers["x-qkvshare-kv-cache"] == f"{kind}; {TIED_BYTES} bytes/token"
+        assert answer.headers["x-qkvshare-kv-cache"] == f"{kind}; {TIED_BYTES} bytes/token; torch.float32"
 
 
 @BOTH
