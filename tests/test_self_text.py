@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from qkvshare.convert import self_text
 from qkvshare.convert.self_text import (
     SelfTextSettings,
     estimate_self_text,
@@ -182,15 +183,22 @@ def test_bad_settings_name_the_field_the_value_and_the_range(field, value, messa
         SelfTextSettings(**{field: value})
 
 
-def test_impossible_requests_are_refused_before_any_work(model, tokenizer, tmp_path):
+def test_impossible_requests_are_refused_before_any_work(model, tokenizer, tmp_path, monkeypatch):
     settings = SelfTextSettings(**FAST)
     with pytest.raises(ValueError, match="would take about .* more than the 1 s allowed"):
         generate_self_text(model, tokenizer, settings, tmp_path, 10**7, progress=False, max_seconds=1)
+    probes = []
+    monkeypatch.setattr(self_text, "_probe_rate", lambda *args: probes.append(args) or 1.0)
     with pytest.raises(ValueError, match="of memory besides the model, more than 80% of the"):
         generate_self_text(model, tokenizer, settings, tmp_path, 10**12, progress=False)
+    assert not probes  # refused before the probe ran
     assert not list(tmp_path.glob("shard-*.json"))
     with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
         generate_self_text(model, tokenizer, SelfTextSettings(max_new_tokens=1000), None, 10, progress=False)
-    estimate = estimate_self_text(model, tokenizer, settings, 1000, tmp_path)
+    with pytest.raises(ValueError, match="tokens=0: ask for a positive number"):
+        generate_self_text(model, tokenizer, settings, None, 0, progress=False)
+    monkeypatch.undo()
+    estimate = estimate_self_text(model, tokenizer, settings, 1000, tmp_path / "new")
     assert estimate.tokens_per_second > 0 and estimate.seconds > 0 and "tokens/s" in estimate.summary()
+    assert not (tmp_path / "new").exists()  # an estimate writes nothing
     assert json.loads((tmp_path / "manifest.json").read_text())["settings"]["batch_size"] == 4

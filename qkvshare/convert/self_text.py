@@ -71,8 +71,10 @@ the disk or the caller's `max_seconds` is refused with the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -105,6 +107,8 @@ MIN_LOOP_SPAN = 24  # tokens: a tail this long (and at least three periods) that
 LOOP_CHECK_EVERY = 4  # steps between loop checks
 NUCLEUS_CANDIDATES = 256  # the most likely tokens in which the nucleus is looked for first
 PROBE_STEPS = 6  # decode steps `estimate_self_text` times
+PROBE_PROMPTS = 8  # chat prompts whose prefill it times
+LONG_CONTEXT_FACTOR = 1.3  # a decode step over a whole sample's context against one at the probe's (measured: 1.x)
 MEMORY_SHARE = 0.8  # of MemAvailable a generation may plan to use
 TEXT_BYTES_PER_TOKEN = 80  # a token held in memory: its id in a list, its share of the decoded text, the encodings
 DISK_BYTES_PER_TOKEN = 16  # a token in a shard file: its id in JSON and its share of the text
@@ -497,6 +501,7 @@ def _generate_rows(
     pad_id: int,
     steps: int | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> None:
     """Generate every row's tokens (in place) as one left-padded batch with the KV cache; finished rows leave the
     batch. `steps` limits the decode steps (the rate probe)."""
@@ -508,6 +513,8 @@ def _generate_rows(
         input_ids[b, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
         mask[b, width - len(row.prompt_ids) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    if on_start is not None:
+        on_start()
     logits, cache = _forward(
         model,
         input_ids=input_ids.to(device),
@@ -666,11 +673,12 @@ def _sample_from_json(row: dict[str, Any]) -> Sample:
 class _Folder:
     """The work folder: manifest.json (settings, source identity) and one file per finished shard."""
 
-    def __init__(self, path: Path | None, settings: SelfTextSettings, identity: dict[str, Any]):
+    def __init__(self, path: Path | None, settings: SelfTextSettings, identity: dict[str, Any], create: bool = True):
         self.path = path
-        if path is None:
+        if path is None or (not create and not path.is_dir()):
             return
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
         manifest = path / MANIFEST
         wanted = {"format": FORMAT, "settings": asdict(settings), "source": identity}
         if manifest.is_file():
@@ -693,7 +701,7 @@ class _Folder:
                     f"the self-text in {path} was generated with {environment}, this run has {_environment()}: "
                     "the shards generated now may differ in the last digits from what an uninterrupted run gave."
                 )
-        else:
+        elif create:
             _atomic_write(manifest, json.dumps(wanted | {"environment": _environment()}, indent=1))
 
     def load(self, index: int) -> list[Sample] | None:
@@ -894,18 +902,29 @@ def estimate_self_text(
 ) -> SelfTextEstimate:
     """Measure and estimate what `generate_self_text(model, tokenizer, settings, work_dir, tokens)` will take:
     the cached tokens, the rate (the work folder's recorded shards, else `PROBE_STEPS` decode steps of the first
-    missing shard, timed; `probe=False`: no measurement, rate 0), the time, the memory and the disk. Refuses (as
-    `generate_self_text`) a folder made with other settings or another source."""
+    missing shard, timed; `probe=False`: no measurement, rate 0), the time, the memory and the disk. Writes
+    nothing; refuses (as `generate_self_text`) a folder made with other settings or another source."""
     settings = settings or SelfTextSettings()
     _check_request(model, tokens)
     chat = _use_chat(tokenizer, settings, warn=False)
-    folder = _Folder(Path(work_dir) if work_dir is not None else None, settings, source_identity(model, tokenizer))
+    path = Path(work_dir) if work_dir is not None else None
+    folder = _Folder(path, settings, source_identity(model, tokenizer), create=False)
     return _estimate(model, tokenizer, settings, tokens, folder, chat, probe)
 
 
 def _estimate(
-    model: Any, tokenizer: Any, s: SelfTextSettings, tokens: int, folder: _Folder, chat: bool, probe: bool
+    model: Any,
+    tokenizer: Any,
+    s: SelfTextSettings,
+    tokens: int,
+    folder: _Folder,
+    chat: bool,
+    probe: bool,
+    refuse: bool = False,
+    max_seconds: float | None = None,
 ) -> SelfTextEstimate:
+    """The estimate; with `refuse`, a request that does not fit the memory or the disk is refused before the probe
+    runs, and one that would take more than `max_seconds` after it."""
     context = _Context(model, tokenizer, s, chat)
     cached, first_missing = 0, 0
     while cached < tokens:
@@ -917,20 +936,10 @@ def _estimate(
     plans = _shard_plan(first_missing, s, chat)
     longest_prompt = max(len(context.prompt_ids(p)) for p in _chat_plans_for_memory(s, chat) + plans)
     _check_positions(model, s, longest_prompt)
-    rate = folder.rate() or 0.0
-    if rate == 0.0 and probe and cached < tokens:
-        rows = context.rows(plans)
-        started = time.perf_counter()
-        _generate_rows(model, rows, s, context.sampler, set(), set(), context.pad, steps=PROBE_STEPS)
-        seconds = time.perf_counter() - started
-        # A shard costs its prefill and max_new_tokens steps (rows that end early leave the batch and their tokens
-        # are not counted either); the probe's steps stand for the decode at a short context, so this is a guess.
-        step = seconds / (PROBE_STEPS + 2)  # the prefill counted as about two steps
-        per_shard_tokens = sum(len(r.prompt_ids) for r in rows) + s.batch_size * s.max_new_tokens
-        rate = per_shard_tokens / ((s.max_new_tokens + 2) * step)
     missing = max(0, tokens - cached)
-    disk = shutil.disk_usage(folder.path) if folder.path is not None else None
-    return SelfTextEstimate(
+    disk = shutil.disk_usage(_existing(folder.path)) if folder.path is not None else None
+    rate = folder.rate() or 0.0
+    estimate = SelfTextEstimate(
         tokens=tokens,
         cached_tokens=cached,
         tokens_per_second=rate,
@@ -940,6 +949,53 @@ def _estimate(
         disk_bytes=missing * DISK_BYTES_PER_TOKEN,
         disk_free_bytes=disk.free if disk is not None else None,
     )
+    if refuse:
+        _check_memory_and_disk(estimate)
+    if rate == 0.0 and probe and missing:
+        rate = _probe_rate(model, context, first_missing)
+        estimate = dataclasses.replace(estimate, tokens_per_second=rate, seconds=missing / rate)
+    if refuse:
+        _check_time(estimate, max_seconds)
+    return estimate
+
+
+def _probe_rate(model: Any, context: _Context, first_missing: int) -> float:
+    """Document tokens per second, guessed from two short timed runs: the prefill of `PROBE_PROMPTS` chat prompts
+    (when chat is on) and `PROBE_STEPS` decode steps of a full batch of continuations. A chat shard costs its
+    prefill (at the measured prefill rate) and `max_new_tokens` decode steps, a continuation shard the steps; a
+    step is taken `LONG_CONTEXT_FACTOR` times slower than the median probe step, at a short context (the cache and
+    attention grow). Rows that end early leave the batch, so their tokens and their share of the steps both drop:
+    the guess holds roughly for them too."""
+    s = context.settings
+    stamps: list[float] = []
+
+    def timed(rows: list[_Row], steps: int) -> list[float]:
+        stamps.clear()
+        mark = lambda *_: stamps.append(time.perf_counter())  # noqa: E731
+        _generate_rows(model, rows, s, context.sampler, set(), set(), context.pad, steps, mark, mark)
+        return [b - a for a, b in zip(stamps, stamps[1:])]
+
+    chat_tokens, chat_seconds = 0, 0.0
+    if context.chat:  # the prompts of the next chat shard
+        i = next(i for i in itertools.count(first_missing) if shard_kind(i, s.chat_fraction) == "chat")
+        rows = context.rows(_shard_plan(i, s, True)[:PROBE_PROMPTS])
+        prefill = timed(rows, 0)[0]
+        per_prompt = prefill / len(rows)
+        chat_tokens = sum(len(r.prompt_ids) for r in rows) * s.batch_size // len(rows)  # a whole shard's prompts
+        chat_seconds = per_prompt * s.batch_size
+    plans = [_Plan(-1 - k, "continuation", "train", None) for k in range(s.batch_size)]
+    steps = sorted(timed(context.rows(plans), PROBE_STEPS)[2:])  # after the prefill and the first (warm-up) step
+    step = steps[len(steps) // 2] * LONG_CONTEXT_FACTOR
+    chat_share = s.chat_fraction if context.chat else 0.0
+    tokens = chat_share * chat_tokens + s.batch_size * s.max_new_tokens
+    return tokens / (chat_share * chat_seconds + s.max_new_tokens * step)
+
+
+def _existing(path: Path) -> Path:
+    """`path` or its nearest existing parent (what `shutil.disk_usage` can measure)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def _chat_plans_for_memory(s: SelfTextSettings, chat: bool) -> list[_Plan]:
@@ -980,7 +1036,7 @@ def _use_chat(tokenizer: Any, s: SelfTextSettings, warn: bool = True) -> bool:
     return False
 
 
-def _check_fits(estimate: SelfTextEstimate, max_seconds: float | None) -> None:
+def _check_memory_and_disk(estimate: SelfTextEstimate) -> None:
     available = estimate.available_bytes
     if available is not None and estimate.memory_bytes > MEMORY_SHARE * available:
         raise ValueError(
@@ -994,6 +1050,9 @@ def _check_fits(estimate: SelfTextEstimate, max_seconds: float | None) -> None:
             f"self text: the shards of {estimate.tokens:,} tokens need about {_size(estimate.disk_bytes)} of disk, "
             f"the work folder's disk has {_size(free)} free."
         )
+
+
+def _check_time(estimate: SelfTextEstimate, max_seconds: float | None) -> None:
     if max_seconds is not None and estimate.seconds > max_seconds:
         raise ValueError(
             f"self text: {estimate.tokens - estimate.cached_tokens:,} tokens to generate at about "
@@ -1031,12 +1090,11 @@ def generate_self_text(
     was_training = model.training
     model.eval()
     try:
-        estimate = _estimate(model, tokenizer, settings, tokens, folder, chat, probe=True)
+        estimate = _estimate(model, tokenizer, settings, tokens, folder, chat, True, True, max_seconds)
         if estimate.cached_tokens < tokens:
             logger.info(estimate.summary())
             if progress:
                 print(estimate.summary(), file=sys.stderr, flush=True)
-            _check_fits(estimate, max_seconds)
         return _run(model, tokenizer, settings, folder, tokens, chat, identity, estimate, progress, on_shard)
     finally:
         model.train(was_training)
