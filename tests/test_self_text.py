@@ -202,3 +202,25 @@ def test_impossible_requests_are_refused_before_any_work(model, tokenizer, tmp_p
     assert estimate.tokens_per_second > 0 and estimate.seconds > 0 and "tokens/s" in estimate.summary()
     assert not (tmp_path / "new").exists()  # an estimate writes nothing
     assert json.loads((tmp_path / "manifest.json").read_text())["settings"]["batch_size"] == 4
+
+
+def test_a_loop_is_cut_after_its_first_copy():
+    text = list(range(100, 140))
+    assert self_text._periodic_tail(text + [1, 2, 3] * 10) == 43
+    assert self_text._periodic_tail(text + [7] * 30) == 41
+    assert self_text._periodic_tail(text + [1, 2, 3] * 3) is None  # 9 tokens: shorter than MIN_LOOP_SPAN
+    assert self_text._periodic_tail(list(range(200))) is None
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])  # the nucleus within the top-256 candidates, and past them
+def test_sampling_stays_in_the_exact_nucleus(vocab):
+    settings = SelfTextSettings(top_p=0.5, temperature=1.0, repetition_penalty=1.0)
+    sampler = self_text._Sampler(settings, vocab, [0])
+    logits = torch.linspace(4.0, 0.0, vocab) if vocab == 300 else torch.linspace(0.5, 0.0, vocab)
+    probs = torch.softmax(logits, -1)
+    nucleus = int(((probs.cumsum(-1) - probs) < 0.5).sum())  # logits are sorted: the nucleus is a prefix
+    assert (nucleus < 256) == (vocab == 300)
+    plan = self_text._Plan(0, "chat", "train", "?")
+    rows = [self_text._Row(plan, [1], torch.Generator().manual_seed(k)) for k in range(200)]
+    picks = sampler(logits.expand(200, vocab), rows)
+    assert max(picks) < nucleus and len(set(picks)) > min(20, nucleus // 4)
