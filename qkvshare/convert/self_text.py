@@ -88,7 +88,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -100,7 +99,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from qkvshare.analysis.common import available_bytes
+from qkvshare.runtime import available_bytes, free_bytes
 
 logger = logging.get_logger(__name__)
 
@@ -948,7 +947,6 @@ def _estimate(
     longest_prompt = max(len(context.prompt_ids(p)) for p in _chat_plans_for_memory(s, chat) + plans)
     _check_positions(model, s, longest_prompt)
     missing = max(0, tokens - cached)
-    disk = shutil.disk_usage(_existing(folder.path)) if folder.path is not None else None
     rate = folder.rate() or 0.0
     estimate = SelfTextEstimate(
         tokens=tokens,
@@ -958,7 +956,7 @@ def _estimate(
         memory_bytes=generation_memory(model, s, longest_prompt, tokens),
         available_bytes=available_bytes(),
         disk_bytes=missing * DISK_BYTES_PER_TOKEN,
-        disk_free_bytes=disk.free if disk is not None else None,
+        disk_free_bytes=free_bytes(folder.path) if folder.path is not None else None,
     )
     if refuse:
         _check_memory_and_disk(estimate)
@@ -1000,13 +998,6 @@ def _probe_rate(model: Any, context: _Context, first_missing: int) -> float:
     chat_share = s.chat_fraction if context.chat else 0.0
     tokens = chat_share * chat_tokens + s.batch_size * s.max_new_tokens
     return tokens / (chat_share * chat_seconds + s.max_new_tokens * step)
-
-
-def _existing(path: Path) -> Path:
-    """`path` or its nearest existing parent (what `shutil.disk_usage` can measure)."""
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
 
 
 def _chat_plans_for_memory(s: SelfTextSettings, chat: bool) -> list[_Plan]:
