@@ -72,9 +72,15 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     (`layer_projection_sharing`); stage (c) then distils that model. The record names the tied layers and the
     exact bytes per token.
 
-Calibration text (`--calibration_file`, `--calibration_dataset`; default: `qkvshare.convert.data`, a mix of
-    English prose and Python code from the Python standard library, PSF License, with train / validation / test
-    splits). A user's text is cut into pieces, every tenth of which validates.
+Calibration text (`--calibration_text`, a `+`-joined mix of sources, each an equal share of the characters):
+    `self`: text the source model writes itself (`qkvshare.convert.self_text`: its answers, through its chat
+    template, to a built-in list of everyday, science, history, writing and code instructions, and LLM-QAT-style
+    continuations; generated once, cached and resumable in the work folder or `--self_text_dir`), so the stages fit
+    the kind of text the source knows and produces; `stdlib`: the Python standard library's prose and code
+    (`qkvshare.convert.data`, PSF License, with train / validation / test splits); `file`: `--calibration_file` or
+    `--calibration_dataset` (a user's text is cut into pieces, every tenth of which validates). Stage (c)
+    distils on the train split of the same mix. A source without a chat template writes plain continuations only,
+    and says so.
 
 Q=K ("qk" Q=K-V, "qkv" Q=K=V; needs as many key/value heads as query heads): `--query_method`
     `key` (default: keep W_k, so the cached keys are the source's) or `query` (keep W_q). A symmetric score can
@@ -133,6 +139,11 @@ TRANSFER_DEFAULTS = {
     "cache_budget": None,
 }
 CALIBRATIONS = ("sequential", "independent")
+TEXT_SOURCES = ("self", "stdlib", "file")  # --calibration_text: a "+"-joined mix of these
+# The default text: the transfer recipe's (measured, docs/results.md section 11.3); the one-shot methods keep the
+# embedded text, which needs no generation (key and value only measure their errors on it).
+DEFAULT_CALIBRATION_TEXT = {"transfer": "self+stdlib"}
+DEFAULT_ONE_SHOT_TEXT = "stdlib"
 KV_TIE_POINTS = ("post_rope", "pre_rope")  # the values of QKVShareConfig.kv_tie_point
 DEFAULT_CALIBRATION = "sequential"  # lower perplexity at 0 steps than "independent" on SmolLM2-135M (README)
 RECORD_FILE = "conversion.json"
@@ -167,6 +178,9 @@ class ConvertArgs:
     kv_tie_point: str | None = None  # pre_rope (calibrated's default) or post_rope (the config default otherwise)
     calibration_file: str | None = None  # .txt or .jsonl (text column); default: the embedded prose + code
     calibration_dataset: str | None = None  # a datasets name, data folder or save_to_disk folder (text column)
+    calibration_text: str | None = None  # "+"-joined of self, stdlib, file (default: file if given, else by method)
+    self_text_tokens: int | None = None  # tokens the source writes for `self` (default: its share of what stages read)
+    self_text_dir: str | None = None  # where the source's text is kept and reused (default: the work folder)
     calibration_tokens: int | None = None  # tokens to calibrate on
     calibration_block_size: int = DEFAULT_CALIBRATION_BLOCK  # tokens per sequence
     ridge: float | None = None  # relative ridge of the o_proj fit
@@ -193,6 +207,10 @@ class ConvertArgs:
             self.calibration_tokens = DEFAULT_TRANSFER_CALIBRATION_TOKENS if transfer else DEFAULT_CALIBRATION_TOKENS
         if self.ridge is None:
             self.ridge = DEFAULT_TRANSFER_RIDGE if transfer else DEFAULT_RIDGE
+        if self.calibration_text is None:
+            given = self.calibration_file is not None or self.calibration_dataset is not None
+            default = DEFAULT_CALIBRATION_TEXT.get(self.method or DEFAULT_METHOD, DEFAULT_ONE_SHOT_TEXT)
+            self.calibration_text = "file" if given else default
         self.overrides = dict(self.overrides)
         if self.kv_tie_point is not None:
             self.overrides["kv_tie_point"] = self.kv_tie_point
@@ -222,6 +240,7 @@ class ConvertArgs:
             )
         if self.calibration_file is not None and self.calibration_dataset is not None:
             raise ValueError("give either --calibration_file or --calibration_dataset, not both.")
+        check_calibration_text(self)
         check_transfer_args(self)
         check_output_dir(Path(self.output_dir), self.overwrite_output_dir)
 
@@ -268,6 +287,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a datasets name, data folder or save_to_disk folder (text column) instead of --calibration_file",
     )
+    p.add_argument(
+        "--calibration_text",
+        default=None,
+        help=f"the text the stages fit and distil on: '+'-joined sources, equal shares: {', '.join(TEXT_SOURCES)} "
+        f"(default: file when --calibration_file/--calibration_dataset is given, else "
+        f"{DEFAULT_CALIBRATION_TEXT['transfer']} for transfer and {DEFAULT_ONE_SHOT_TEXT} for the other methods)",
+    )
+    p.add_argument(
+        "--self_text_tokens",
+        type=int,
+        default=None,
+        help="tokens the source writes for 'self' (default: its share of the calibration and validation tokens)",
+    )
+    p.add_argument(
+        "--self_text_dir",
+        default=None,
+        help="keep the source's text here and reuse it in later conversions (default: the work folder, removed "
+        "when the conversion is done)",
+    )
     t = TRANSFER_DEFAULTS
     p.add_argument("--validation_tokens", type=int, default=t["validation_tokens"], help="transfer: held-out tokens")
     p.add_argument(
@@ -306,6 +344,37 @@ def parse_args(argv: list[str] | None) -> ConvertArgs:
     namespace = vars(build_parser().parse_args(argv))
     namespace["overrides"] = parse_overrides(namespace.pop("override"), "--override")
     return ConvertArgs(**namespace)
+
+
+def text_sources(args: ConvertArgs) -> list[str]:
+    """The sources of `--calibration_text`, in the order given (e.g. "self+stdlib" -> ["self", "stdlib"])."""
+    return [part.strip() for part in args.calibration_text.split("+")]
+
+
+def check_calibration_text(args: ConvertArgs) -> None:
+    """`--calibration_text` names known sources once each; `file` exactly when a file or dataset is given."""
+    sources = text_sources(args)
+    unknown = [s for s in sources if s not in TEXT_SOURCES]
+    if unknown or len(set(sources)) != len(sources) or not sources:
+        raise ValueError(
+            f"--calibration_text {args.calibration_text!r}: give one or more of {', '.join(TEXT_SOURCES)}, joined by "
+            "'+' and each once (e.g. self, self+stdlib, self+file)."
+        )
+    given = args.calibration_file is not None or args.calibration_dataset is not None
+    if ("file" in sources) != given:
+        raise ValueError(
+            f"--calibration_text {args.calibration_text} "
+            + (
+                "reads no file, but --calibration_file/--calibration_dataset is given: add +file to the mix, or "
+                "drop the file."
+                if given
+                else "names file: give --calibration_file or --calibration_dataset too."
+            )
+        )
+    if args.self_text_tokens is not None and (args.self_text_tokens < 1 or "self" not in sources):
+        raise ValueError(
+            f"--self_text_tokens {args.self_text_tokens}: a positive count, with self in --calibration_text."
+        )
 
 
 def check_transfer_args(args: ConvertArgs) -> None:

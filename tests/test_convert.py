@@ -38,9 +38,8 @@ def llama(kv_heads: int = HEADS, seed: int = 0, layers: int = 2, **overrides) ->
         num_hidden_layers=layers,
         num_attention_heads=HEADS,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
         rms_norm_eps=1e-5,
-        **overrides,
+        **{"max_position_embeddings": 128, **overrides},
     )
     return LlamaForCausalLM(config).eval()
 

@@ -138,23 +138,29 @@ def prose_documents(split: str, seed: int = 0) -> Iterator[str]:
                 yield piece
 
 
+def interleave(sides: dict[str, Iterable[str]], shares: dict[str, float]) -> Iterator[str]:
+    """Documents of several sources interleaved so that about `shares[name]` of the characters come from each:
+    each next document comes from the side that is furthest below its share (lazy; a side that runs out leaves the
+    others to go on)."""
+    streams = {name: iter(side) for name, side in sides.items()}
+    given = dict.fromkeys(streams, 0)
+    while streams:
+        total = sum(given.values()) or 1
+        name = min(streams, key=lambda k: (given[k] / total - shares[k], k))
+        piece = next(streams[name], None)
+        if piece is None:
+            del streams[name]
+            continue
+        given[name] += len(piece)
+        yield piece
+
+
 def mixed_documents(split: str, seed: int = 0, prose_fraction: float = 0.5) -> Iterator[str]:
-    """Prose and code pieces of `split` interleaved so that about `prose_fraction` of the characters are prose:
-    each next piece comes from the side that is furthest below its share (lazy; either side may run out)."""
+    """Prose and code pieces of `split` interleaved so that about `prose_fraction` of the characters are prose."""
     if not 0.0 <= prose_fraction <= 1.0:
         raise ValueError(f"prose_fraction={prose_fraction} must be between 0 and 1.")
     sides = {"prose": prose_documents(split, seed), "code": code_documents(split, seed)}
-    share = {"prose": prose_fraction, "code": 1.0 - prose_fraction}
-    given = {"prose": 0, "code": 0}
-    while sides:
-        total = sum(given.values()) or 1
-        kind = min(sides, key=lambda k: (given[k] / total - share[k], k))
-        piece = next(sides[kind], None)
-        if piece is None:
-            del sides[kind]
-            continue
-        given[kind] += len(piece)
-        yield piece
+    return interleave(sides, {"prose": prose_fraction, "code": 1.0 - prose_fraction})
 
 
 def documents(kind: str, split: str, seed: int = 0) -> Iterator[str]:

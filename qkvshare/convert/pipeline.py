@@ -15,9 +15,10 @@ import torch
 from qkvshare import QKVShareConfig, QKVShareForCausalLM, model_dir
 from qkvshare.convert import io as files
 from qkvshare.convert.budget import check_cache_budget
-from qkvshare.convert.calibration import calibration_ids, calibration_texts, check_calibration_ids
+from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import run_distillation
+from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
 from qkvshare.convert.transfer import (
     TransferSettings,
     check_activation_memory,
@@ -34,8 +35,9 @@ from qkvshare_settings.train import DistillSettings
 def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     """Convert the checkpoint `args.source` into `args.output_dir` and return the conversion's record.
 
-    Checks everything that needs no weights, reads the calibration text, loads the source, converts (resumably, with
-    `method="transfer"`), distils (stage (c)), and publishes the model directory whole. Raises a `ValueError` for
+    Checks everything that needs no weights, reads the calibration text (the source writes its share of it once it is
+    loaded: `--calibration_text self`), converts (resumably, with `method="transfer"`), distils (stage (c)), and
+    publishes the model directory whole. Raises a `ValueError` for
     input that cannot be converted (before any long work) and a `CommandStopped` (`ConversionWriteError`,
     `DistillationStopped`) when a run stops part-way: what it saved stays, and the same call continues it.
 
@@ -61,19 +63,19 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         )
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
-    block = args.calibration_block_size
-    if changes_attention and tokenizer is not None:
-        documents, description = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
-        ids = calibration_ids(tokenizer, documents, args.calibration_tokens, block)
-        check_calibration_ids(ids, config)
-    if method == "transfer":
-        held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
-        validation = calibration_ids(tokenizer, held_out, args.validation_tokens, block)
-        check_calibration_ids(validation, config, "the validation split of the calibration text")
+    needs_text = changes_attention and tokenizer is not None
+    text = read_calibration_text(args) if needs_text else None
+    writes_text = text is not None and "self" in text.sources
+    if text is not None and not writes_text:  # before any weight is read: a text too short is said at once
+        ids, validation, description = calibration_blocks(text, tokenizer, args, config, method)
     out = Path(args.output_dir)
-    work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" else None
+    work = claim_work_dir(out, conversion_plan(args)) if method == "transfer" or writes_text else None
     source = model_dir.load_source(args.source)
     started = time.perf_counter()
+    if writes_text:  # the source writes its share once loaded (resumable in the folder)
+        folder = Path(args.self_text_dir).expanduser() if args.self_text_dir else work / "self-text"
+        add_self_text(text, args, source, tokenizer, folder)
+        ids, validation, description = calibration_blocks(text, tokenizer, args, config, method)
     model, record = convert(
         source,
         args.variant,
@@ -92,13 +94,28 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         **args.overrides,
     )
     if method == "transfer" and args.distill_tokens > 0:
-        model = distil(args, source, model, record, tokenizer, validation, work)
+        model = distil(args, source, model, record, tokenizer, text, validation, work)
     record.seconds = round(time.perf_counter() - started, 2)
     files.publish(lambda folder: files.save_converted(model, record, folder, tokenizer, args.dtype), out)
     if work is not None:
         shutil.rmtree(work)
     _print_summary(record, model.config, source_config, out)
     return record
+
+
+def calibration_blocks(
+    text: CalibrationText, tokenizer: Any, args: ConvertArgs, config: QKVShareConfig, method: str | None
+) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """The calibration blocks of the text's train split, with `transfer` the validation blocks of its validation
+    split (else None), and what the text is; a `ValueError` when either holds too few tokens."""
+    block = args.calibration_block_size
+    ids = calibration_ids(tokenizer, text.documents("train"), args.calibration_tokens, block)
+    check_calibration_ids(ids, config)
+    validation = None
+    if method == "transfer":
+        validation = calibration_ids(tokenizer, text.documents("validation"), args.validation_tokens, block)
+        check_calibration_ids(validation, config, "the validation split of the calibration text")
+    return ids, validation, text.describe("train")
 
 
 def saved_bytes(config: QKVShareConfig, dtype: str) -> int:
@@ -129,7 +146,8 @@ def distill_settings(args: ConvertArgs) -> DistillSettings:
 def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
     """What a transfer conversion's saved progress depends on (a rerun must match it to continue from it)."""
     keys = ("variant", "method", "query_method", "overrides", "calibration_file", "calibration_dataset")
-    keys += ("calibration_tokens", "calibration_block_size", "ridge", "seed", *TRANSFER_DEFAULTS)
+    keys += ("calibration_text", "self_text_tokens", "calibration_tokens", "calibration_block_size", "ridge", "seed")
+    keys += tuple(TRANSFER_DEFAULTS)
     return {"source": str(Path(args.source).expanduser().resolve())} | {key: getattr(args, key) for key in keys}
 
 
@@ -158,21 +176,27 @@ def distil(
     model: Any,
     record: ConversionRecord,
     tokenizer: Any,
+    text: CalibrationText,
     validation: Any,
     work: Path,
 ) -> Any:
-    """Stage (c): save the model of stages (a)-(b), distil it from SRC with `qkvshare train --teacher` in the work
-    folder, and record its errors, KL divergence, tokens and time. Returns the distilled model."""
+    """Stage (c): save the model of stages (a)-(b), distil it from SRC on the calibration text's train split
+    (`qkvshare.train.distill`) in the work folder, and record its errors, KL divergence, tokens and time. Returns the
+    distilled model."""
     stage_model = work / "stage-model"
     if not (stage_model / RECORD_FILE).is_file():  # written last: the folder is complete
         files.save_converted(model, record, stage_model, tokenizer)
     started = time.perf_counter()
-    train_texts, _ = calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)
-    held_out, _ = calibration_texts(args.calibration_file, args.seed, "validation", args.calibration_dataset)
     settings = distill_settings(args)
     try:
         folder, metrics = run_distillation(
-            stage_model, str(args.source), train_texts, held_out, tokenizer, work, settings
+            stage_model,
+            str(args.source),
+            text.documents("train"),
+            text.documents("validation"),
+            tokenizer,
+            work,
+            settings,
         )
     except CommandStopped as err:
         raise DistillationStopped(

@@ -96,9 +96,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from qkvshare.convert.calibration import calibration_ids
 from qkvshare.runtime import available_bytes, free_bytes
 
 logger = logging.get_logger(__name__)
@@ -775,8 +777,6 @@ def _differences(held: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
 
 
 def _environment() -> dict[str, Any]:
-    import transformers
-
     return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
 
 
@@ -810,8 +810,6 @@ class SelfText:
 
     def blocks(self, tokenizer: Any, split: str, tokens: int, block_size: int) -> torch.Tensor:
         """`calibration_ids` of `split`'s documents: (n, block_size) blocks of their EOS-joined token stream."""
-        from qkvshare.convert.calibration import calibration_ids
-
         return calibration_ids(tokenizer, self.documents(split), tokens, block_size)
 
     def counts(self) -> dict[str, int]:
@@ -1006,6 +1004,20 @@ def _chat_plans_for_memory(s: SelfTextSettings, chat: bool) -> list[_Plan]:
         return []
     longest = max((text for _, text in _instructions()), key=len)
     return [_Plan(0, "chat", "train", longest)]
+
+
+def room_for_new_tokens(model: Any, tokenizer: Any, settings: SelfTextSettings | None = None) -> int | None:
+    """How many tokens a sample can generate within the model's positions after the longest prompt it may get (the
+    longest built-in instruction through the chat template, or the start tokens of a continuation); None when the
+    model states no limit. What a caller sets `max_new_tokens` within for a model with few positions."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit:
+        return None
+    settings = settings or SelfTextSettings()
+    context = _Context(model, tokenizer, settings, _use_chat(tokenizer, settings, warn=False))
+    plans = _chat_plans_for_memory(settings, context.chat)
+    longest = max([len(context.prompt_ids(p)) for p in plans] + [len(context.start) + 1 + settings.greedy_tokens])
+    return limit - longest
 
 
 def _check_request(model: Any, tokens: int) -> None:
