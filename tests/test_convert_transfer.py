@@ -429,7 +429,16 @@ def self_text_argv(source: Path, corpus: Path, out: Path, *extra: str) -> list[s
     return [
         *("convert", str(source), "--variant", "Q-K=V", "--method", "transfer", "--output_dir", str(out)),
         *("--calibration_text", "self+file", "--calibration_file", str(corpus), "--calibration_block_size", "32"),
-        *("--calibration_tokens", "512", "--validation_tokens", "128", "--transfer_steps", "4", "--distill_tokens", "0"),
+        *(
+            "--calibration_tokens",
+            "512",
+            "--validation_tokens",
+            "128",
+            "--transfer_steps",
+            "4",
+            "--distill_tokens",
+            "0",
+        ),
         *extra,
     ]
 
