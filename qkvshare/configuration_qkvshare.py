@@ -59,21 +59,46 @@ class SharingMode:
     Fields:
         name: the config value ("none", "qk", "kv", "qkv").
         paper_name: the paper's name (Table 1): QKV, Q=K-V, Q-K=V, Q=K=V.
-        query_is_key: the query is the key (no `q_proj`; symmetric scores; needs one key/value head per head).
-        kv_tied: the value is the key (no `v_proj`; the cache holds one tensor).
+        query_from: the projection whose output is the query: "q_proj" (its own), "k_proj" (Q=K: symmetric scores)
+            or "v_proj". A query taken from another projection has no `q_proj` and needs one key/value head per head.
+        value_from: the projection whose output is the value: "v_proj" (its own) or "k_proj" (K=V: no `v_proj`, the
+            cache holds one tensor).
+    Every reader (the attention layer, the Llama export, `analyze`, `convert`) takes the query and the value from
+    these two fields, so a mode is one row.
     """
 
     name: str
     paper_name: str
-    query_is_key: bool
-    kv_tied: bool
+    query_from: str = "q_proj"
+    value_from: str = "v_proj"
+
+    def __post_init__(self) -> None:
+        if self.query_from not in ("q_proj", "k_proj", "v_proj") or self.value_from not in ("v_proj", "k_proj"):
+            raise ValueError(
+                f"SharingMode {self.name!r}: query_from={self.query_from!r} must be 'q_proj', 'k_proj' or 'v_proj', "
+                f"value_from={self.value_from!r} 'v_proj' or 'k_proj'."
+            )
+
+    @property
+    def query_is_key(self) -> bool:
+        """The query is the key (Q=K: no `q_proj`, symmetric scores)."""
+        return self.query_from == "k_proj"
+
+    @property
+    def query_is_shared(self) -> bool:
+        """The query is another projection's output (no `q_proj`): one key/value head per query head."""
+        return self.query_from != "q_proj"
+
+    @property
+    def kv_tied(self) -> bool:
+        """The value is the key (no `v_proj`; the cache holds one tensor)."""
+        return self.value_from == "k_proj"
 
     @property
     def projections(self) -> tuple[str, ...]:
         """The attention projections a layer in this mode has, by Llama's names (a shared one does not exist)."""
-        query = () if self.query_is_key else ("q_proj",)
-        value = () if self.kv_tied else ("v_proj",)
-        return (*query, "k_proj", *value, "o_proj")
+        present = {self.query_from, "k_proj", self.value_from, "o_proj"}
+        return tuple(name for name in ("q_proj", "k_proj", "v_proj", "o_proj") if name in present)
 
     @property
     def cached_tensors(self) -> int:
@@ -84,13 +109,15 @@ class SharingMode:
 SHARING_MODES: dict[str, SharingMode] = {
     mode.name: mode
     for mode in (
-        SharingMode("none", "QKV", query_is_key=False, kv_tied=False),
-        SharingMode("qk", "Q=K-V", query_is_key=True, kv_tied=False),
-        SharingMode("kv", "Q-K=V", query_is_key=False, kv_tied=True),
-        SharingMode("qkv", "Q=K=V", query_is_key=True, kv_tied=True),
+        SharingMode("none", "QKV"),
+        SharingMode("qk", "Q=K-V", query_from="k_proj"),
+        SharingMode("kv", "Q-K=V", value_from="k_proj"),
+        SharingMode("qkv", "Q=K=V", query_from="k_proj", value_from="k_proj"),
     )
 }
 PROJECTION_SHARING_MODES = tuple(SHARING_MODES)
+# The role of a projection's output, for messages ("the query is the key").
+PROJECTION_ROLES = {"q_proj": "query", "k_proj": "key", "v_proj": "value"}
 # Paper name of each projection-sharing mode (Table 1 of the paper).
 PAPER_NAMES = {mode.name: mode.paper_name for mode in SHARING_MODES.values()}
 _MODE_BY_PAPER_NAME = {mode.paper_name: mode.name for mode in SHARING_MODES.values()} | {"QV": "kv"}
@@ -218,7 +245,7 @@ def resolve_variant(
         mode, kv_heads = "none", heads
     elif name in _MODE_BY_PAPER_NAME:
         mode = _MODE_BY_PAPER_NAME[name]
-        kv_heads = heads if SHARING_MODES[mode].query_is_key else base_kv_heads
+        kv_heads = heads if SHARING_MODES[mode].query_is_shared else base_kv_heads
     else:
         match = re.fullmatch(r"(Q-)?(?:GQA-(\d+)|(MQA))", name)
         if match is None or (plus and match):
@@ -655,9 +682,11 @@ class QKVShareConfig(PreTrainedConfig):
             )
         for i in range(self.num_hidden_layers):
             mode = self.layer_sharing(i)
-            if SHARING_MODES[mode].query_is_key and self.num_key_value_heads != self.num_attention_heads:
+            shared = SHARING_MODES[mode]
+            if shared.query_is_shared and self.num_key_value_heads != self.num_attention_heads:
                 raise ValueError(
-                    f"projection_sharing={mode!r} (layer {i}) ties the query to the key, so it needs "
+                    f"projection_sharing={mode!r} (layer {i}) ties the query to the "
+                    f"{PROJECTION_ROLES[shared.query_from]}, so it needs "
                     f"num_key_value_heads == num_attention_heads ({self.num_attention_heads}), got "
                     f"{self.num_key_value_heads}. Use 'kv' (Q-K=V) with GQA/MQA instead."
                 )
@@ -769,6 +798,11 @@ class QKVShareConfig(PreTrainedConfig):
     def is_query_key_tied(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s query is its key (Q=K: no `q_proj`, symmetric scores)."""
         return self.layer_mode(layer_idx).query_is_key
+
+    def is_query_shared(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s query is another projection's output (no `q_proj`, one key/value head per
+        head)."""
+        return self.layer_mode(layer_idx).query_is_shared
 
     def layer_projections(self, layer_idx: int) -> tuple[str, ...]:
         """The attention projections layer `layer_idx` has, by Llama's names (`SharingMode.projections`; QV-Ka

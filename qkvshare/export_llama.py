@@ -133,16 +133,17 @@ def to_llama_config(config: QKVShareConfig, dtype: torch.dtype) -> LlamaConfig:
 
 
 def llama_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under Llama's names, with the projections a layer shares filled in as copies of its
-    k_proj (weight and bias): q_proj where the query is the key, v_proj where the value is the (pre-RoPE) key."""
+    """The model's tensors under Llama's names, with the projections a layer shares filled in as copies (weight and
+    bias) of the one it takes them from (`SharingMode.query_from`, `value_from`): q_proj = k_proj where the query is
+    the key, v_proj = k_proj where the value is the (pre-RoPE) key."""
     config = model.config
     state = dict(model.state_dict())
     for i in range(config.num_hidden_layers):
         mode, prefix = config.layer_mode(i), f"model.layers.{i}.self_attn."
-        for name, is_key in (("q_proj", mode.query_is_key), ("v_proj", mode.kv_tied)):
+        for name, source in (("q_proj", mode.query_from), ("v_proj", mode.value_from)):
             for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-                if is_key:
-                    state[f"{prefix}{name}.{kind}"] = state[f"{prefix}k_proj.{kind}"].clone()
+                if source != name:  # sources are projections the layer has, never a filled-in copy
+                    state[f"{prefix}{name}.{kind}"] = state[f"{prefix}{source}.{kind}"].clone()
     return state
 
 

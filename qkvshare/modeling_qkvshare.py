@@ -234,17 +234,20 @@ class QKVShareAttention(nn.Module):
         )
         # What this layer is, decided once: its projections (a shared one is not created) and, for QV-Ka, its keys.
         mode = config.layer_mode(layer_idx)
-        self.query_is_key, self.kv_tied = mode.query_is_key, mode.kv_tied
+        self.query_from, self.value_from = mode.query_from, mode.value_from
         hidden, bias = config.hidden_size, config.attention_bias
-        if not self.query_is_key:
-            self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
+        kv_width = config.num_key_value_heads * self.head_dim
+        widths = {"q_proj": config.num_attention_heads * self.head_dim, "k_proj": kv_width, "v_proj": kv_width}
         if config.key_context_dim:  # QV-Ka: the keys come from a shared context and the values, not from k_proj
+            self.q_proj = nn.Linear(hidden, widths["q_proj"], bias=bias)
             self.ctx_proj = nn.Linear(hidden, config.key_context_dim, bias=bias)
             self.k_mix = KeyMix(config.num_key_value_heads, config.key_context_dim, self.head_dim)
-        else:
-            self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
-        if not self.kv_tied:
-            self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+            self.v_proj = nn.Linear(hidden, widths["v_proj"], bias=bias)
+            self.input_projections = ()
+        else:  # the mode's own q/k/v projections; query and value are read from them (`project`)
+            self.input_projections = tuple(name for name in mode.projections if name != "o_proj")
+            for name in self.input_projections:
+                setattr(self, name, nn.Linear(hidden, widths[name], bias=bias))
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
         # The "+" variants: the paper's 1x1 conv over m channels of the attention map, shared across heads.
         self.attention_map_pe = AttentionMapPE(config.attention_map_pe_dim) if config.attention_map_pe_dim else None
@@ -260,10 +263,8 @@ class QKVShareAttention(nn.Module):
         if self.config.key_context_dim:
             context = self.ctx_proj(hidden_states).unsqueeze(1)  # (B, 1, T, d_ctx)
             return self._heads(self.q_proj, hidden_states), context, self._heads(self.v_proj, hidden_states)
-        key = self._heads(self.k_proj, hidden_states)
-        query = key if self.query_is_key else self._heads(self.q_proj, hidden_states)
-        value = key if self.kv_tied else self._heads(self.v_proj, hidden_states)
-        return query, key, value
+        states = {name: self._heads(getattr(self, name), hidden_states) for name in self.input_projections}
+        return states[self.query_from], states["k_proj"], states[self.value_from]
 
     def map_bias(self, map_encoding: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The "+" term P.w + b as a (B, 1, q, kv) score bias."""

@@ -110,7 +110,9 @@ from .conventions import DTYPE_NAMES, HelpFormatter, add_dtype_argument
 from .overrides import parse_overrides
 
 KV_METHODS = ("key", "value", "calibrated", "transfer")
-QUERY_METHODS = ("key", "query")
+# Layers whose query is another projection's output (Q=K: k_proj): that projection keeps its own source weight (the
+# default; named by its role, "key" for Q=K) or takes the source's W_q ("query").
+QUERY_METHODS = ("key", "value", "query")
 DEFAULT_METHOD = "calibrated"  # the lowest perplexity at 0 steps on SmolLM2-135M (README table)
 DEFAULT_CALIBRATION_TOKENS = 8192
 # The transfer method fits more weights per layer (stage (b) trains q/k/o_proj) and overfits 8,192 tokens: on

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="*",
         help="paper variant names (default: QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, "
-        "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+, QV-Ka, QV-Ka-2; g = heads/4). The first one is the reference.",
+        "MQA, Q-GQA-g, Q-MQA, (Q=K-V)+, (Q=K=V)+, every other sharing mode, QV-Ka, QV-Ka-2; g = heads/4). The "
+        "first one is the reference.",
     )
     up_to = "up to the model's max_position_embeddings"
     seq_default, context_default = " ".join(map(str, DEFAULT_SEQ_LENS)), " ".join(map(str, DEFAULT_CONTEXT_LENS))

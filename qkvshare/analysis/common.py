@@ -107,7 +107,8 @@ def default_gqa_groups(num_heads: int) -> int | None:
 
 def default_variants(base: QKVShareConfig, plus: bool = True) -> list[str]:
     """QKV, Q=K-V, Q-K=V, Q=K=V, GQA-g, MQA, Q-GQA-g, Q-MQA for this head count (the paper's LM variants), and with
-    `plus` the "+" variants and the second source's QV-Ka and QV-Ka-2 (the full list `qkvshare costs` shows)."""
+    `plus` the "+" variants, any other sharing mode of `SHARING_MODES` and the second source's QV-Ka and QV-Ka-2 (the
+    full list `qkvshare costs` shows)."""
     g = default_gqa_groups(base.num_attention_heads)
     names = ["QKV", "Q=K-V", "Q-K=V", "Q=K=V"]
     if g is not None:
@@ -119,7 +120,9 @@ def default_variants(base: QKVShareConfig, plus: bool = True) -> list[str]:
     if base.num_attention_heads > 1:
         names.append("Q-MQA")
     if plus:
-        names += ["(Q=K-V)+", "(Q=K=V)+", "QV-Ka", "QV-Ka-2"]
+        names += ["(Q=K-V)+", "(Q=K=V)+"]
+        names += [mode.paper_name for mode in SHARING_MODES.values() if mode.paper_name not in names]
+        names += ["QV-Ka", "QV-Ka-2"]
     return names
 
 

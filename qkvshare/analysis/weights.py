@@ -127,9 +127,9 @@ def analyze(model_dir: str | Path) -> dict[str, Any]:
     rows = []
     for i in sorted(layers):
         p = layers[i]
-        wk = p["k"]
-        wq = wk if modes[i].query_is_key else p["q"]  # Q=K: the query is the key projection
-        wv = wk if modes[i].kv_tied else p["v"]  # K=V: the value is the key projection
+        own = {"q_proj": p.get("q"), "k_proj": p["k"], "v_proj": p.get("v")}
+        wk = p["k"]  # a shared query or value is the projection it is taken from (SharingMode.query_from, value_from)
+        wq, wv = own[modes[i].query_from], own[modes[i].value_from]
         wk_x, wv_x = expand_kv(wk, heads, kv_heads, head_dim), expand_kv(wv, heads, kv_heads, head_dim)
         rows.append(
             {

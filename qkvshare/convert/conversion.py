@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.configuration_qkvshare import llama_config_dict
+from qkvshare.configuration_qkvshare import PROJECTION_ROLES, llama_config_dict
 from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (
@@ -48,7 +48,7 @@ class ConversionRecord:
     projection_sharing: str
     num_key_value_heads: int
     method: str | None  # K=V method (None: no tied layer)
-    query_method: str | None  # Q=K method (None: no Q=K layer)
+    query_method: str | None  # method of the layers whose query is shared (None: none, or mixed sources kept as own)
     kv_tie_point: str
     head_pooling: str | None  # "mean" when key/value heads were pooled
     calibration_tokens: int = 0
@@ -104,7 +104,9 @@ def plan_conversion(
     if method is not None and method not in KV_METHODS:
         raise ValueError(f"method={method!r} is not a K=V method; use one of {', '.join(KV_METHODS)}.")
     if query_method is not None and query_method not in QUERY_METHODS:
-        raise ValueError(f"query_method={query_method!r} is not a Q=K method; use one of {', '.join(QUERY_METHODS)}.")
+        raise ValueError(
+            f"query_method={query_method!r} is not a shared-query method; use one of {', '.join(QUERY_METHODS)}."
+        )
     heads = d["num_attention_heads"]
     source_kv = d.get("num_key_value_heads") or heads
     shape = f"{heads} query heads, {source_kv} key/value heads"
@@ -119,11 +121,17 @@ def plan_conversion(
         )
     layers = range(config.num_hidden_layers)
     tied = any(config.is_kv_tied(i) for i in layers)
-    query_tied = any(config.is_query_key_tied(i) for i in layers)
+    # the roles ("key", "value") of the projections the shared queries are taken from (Q=K: "key")
+    query_roles = {PROJECTION_ROLES[config.layer_mode(i).query_from] for i in layers if config.is_query_shared(i)}
+    query_tied = bool(query_roles)
     if config.num_key_value_heads > source_kv:
         why = ""
         if query_tied:
-            why = " (Q=K makes every query head a key head: it needs num_key_value_heads == num_attention_heads)"
+            role = "/".join(sorted(query_roles))
+            why = (
+                f" (a query taken from the {role} projection makes every query head a {role} head: it needs "
+                "num_key_value_heads == num_attention_heads)"
+            )
         raise ValueError(
             f"variant={variant!r} needs {config.num_key_value_heads} key/value heads but the source has {source_kv} "
             f"({shape}){why}; a conversion can pool heads, not invent them. Choose at most {source_kv} (e.g. "
@@ -142,11 +150,19 @@ def plan_conversion(
         )
     if query_method is not None and not query_tied:
         raise ValueError(
-            f"query_method={query_method!r} chooses how Q=K layers are made, but variant={variant!r} "
-            f"({config.variant}) has no Q=K layer; leave --query_method out."
+            f"query_method={query_method!r} chooses how layers whose query is shared (Q=K) are made, but "
+            f"variant={variant!r} ({config.variant}) has none; leave --query_method out."
+        )
+    if query_method not in (None, "query") and query_roles != {query_method}:
+        roles = "/".join(sorted(query_roles))
+        raise ValueError(
+            f"query_method={query_method!r}: the query of variant={variant!r} ({config.variant}) is its {roles} "
+            f"projection; use query_method={roles!r} (the default: that projection keeps its source weight) or "
+            "'query' (it takes the source's W_q)."
         )
     method = method if method == "transfer" else (method or DEFAULT_METHOD) if tied else None
-    query_method = (query_method or "key") if query_tied else None
+    own = next(iter(query_roles)) if len(query_roles) == 1 else None  # None: each layer keeps its own
+    query_method = (query_method or own) if query_tied else None
     if method in ("calibrated", "transfer") and "kv_tie_point" not in overrides:
         config.kv_tie_point = "pre_rope"  # the tie under which the value is a linear function of U (docstring)
     return config, method, query_method

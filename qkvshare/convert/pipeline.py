@@ -226,7 +226,7 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
     lines = [
         f"converted {record.source} ({record.source_model_type}, {record.source_key_value_heads} key/value heads) to "
         f"{record.variant}: method {record.method or '-'} (calibration {record.calibration or '-'}), "
-        f"Q=K {record.query_method or '-'}, "
+        f"query_method {record.query_method or '-'}, "
         f"kv_tie_point {record.kv_tie_point}, head pooling {record.head_pooling or '-'}",
         f"KV cache per token (16-bit): {config.kv_cache_bytes_per_token():,} bytes (source {before:,})",
     ]

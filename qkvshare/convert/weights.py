@@ -35,7 +35,9 @@ def attention_state(
 ) -> dict[str, torch.Tensor]:
     """The state dict of converted attention layer `layer_idx` from the source layer's (`q_proj.weight`, ...).
 
-    `method` picks the shared K=V projection (`key`/`calibrated`: W_k, `value`: W_v), `query_method` the Q=K one;
+    `method` picks the shared K=V projection (`key`/`calibrated`: W_k, `value`: W_v); `query_method="query"` gives the
+    projection a shared query is taken from (`SharingMode.query_from`; Q=K: k_proj) the source's W_q, any other
+    value leaves it its own source weight;
     key/value heads are mean-pooled to the config's count. o_proj is copied (`calibrate` refits it).
     """
     pool = pooling_matrix(config.num_attention_heads, source_kv, config.num_key_value_heads)
@@ -53,15 +55,13 @@ def attention_state(
 
     q, k, v = projection("q_proj", False), projection("k_proj", True), projection("v_proj", True)
     mode = config.layer_mode(layer_idx)
-    # The one k_proj of a tied layer: W_v for method="value" (K=V layers), else W_q for query_method="query" (Q=K
-    # layers), else W_k.
+    # Each projection from its own source weight, except: the one k_proj of a K=V layer is W_v for method="value";
+    # otherwise the projection carrying a shared query is W_q for query_method="query".
+    sources = {"q_proj": q, "k_proj": k, "v_proj": v, "o_proj": projection("o_proj", False)}
     if mode.kv_tied and method == "value":
-        key = v
-    elif mode.query_is_key and query_method == "query":
-        key = q
-    else:
-        key = k
-    sources = {"q_proj": q, "k_proj": key, "v_proj": v, "o_proj": projection("o_proj", False)}
+        sources["k_proj"] = v
+    elif mode.query_is_shared and query_method == "query":
+        sources[mode.query_from] = q
     projections = {name: sources[name] for name in mode.projections}
     return {f"{name}.{kind}": t.clone() for name, p in projections.items() for kind, t in p.items()}
 
