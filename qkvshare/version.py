@@ -5,4 +5,4 @@ which setuptools parses without importing the package), `qkvshare/__init__.py` r
 --version` prints it. Keep it a plain string literal so that static parsing keeps working.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
