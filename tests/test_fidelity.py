@@ -125,6 +125,18 @@ def test_a_converted_model_against_its_source(source, converted, blocks):
     expected_kl = F.kl_div(own, ref, log_target=True, reduction="batchmean").item()
     assert scores.kl > 1e-3 and scores.kl == pytest.approx(expected_kl, rel=1e-4)
     assert fd.kl_to_source(source, converted, blocks, batch_size=1) == pytest.approx(expected_kl, rel=1e-4)
+    # the source's log-probabilities computed once and given instead of the source: the same numbers
+    for dtype, rel in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
+        reference, itself = fd.reference_log_probs(source, blocks, batch_size=3, dtype=dtype, progress=None)
+        assert reference.dtype == dtype and torch.allclose(reference.float(), ref.view(5, 24, -1), atol=rel)
+        assert itself.mean_nll == pytest.approx(scores.source_mean_nll, rel=1e-6) and itself.tokens == scores.tokens
+        given = fd.score_blocks(converted, blocks, batch_size=2, progress=None, reference=reference)
+        assert given.kl == pytest.approx(scores.kl, rel=rel) and given.top1_agreement == scores.top1_agreement
+        assert given.source_mean_nll == pytest.approx(scores.source_mean_nll, rel=rel / 10)
+    with pytest.raises(ValueError, match="not both"):
+        fd.score_blocks(converted, blocks, source=source, reference=ref.view(5, 24, -1))
+    with pytest.raises(ValueError, match="reference has shape"):
+        fd.score_blocks(converted, blocks, reference=ref.view(5, 24, -1)[:, 1:])
     assert scores.top1_agreement == pytest.approx((ref.argmax(-1) == own.argmax(-1)).float().mean().item())
     assert scores.top1_agreement < 1.0
     expected_nll = -own.gather(-1, blocks[:, 1:].reshape(-1, 1)).mean().item()
