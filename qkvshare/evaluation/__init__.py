@@ -3,6 +3,7 @@
 - `harness`: `qkvshare eval`, lm-evaluation-harness's official 5-shot suite (HellaSwag, PIQA, ARC-Easy,
   ARC-Challenge, WinoGrande) on several models, lm-eval's JSON per model and the paper's side-by-side table.
 - `perplexity`: `qkvshare perplexity`, token-weighted perplexity on packed held-out text, sliding window.
+- `fidelity`: what a (converted) causal LM keeps of its source: perplexity, KL, greedy agreement, asked questions.
 - `tasks`: the five tasks' splits and row schemas, the local-data checks and the offline group YAML.
 - `table`: the markdown table. `common`: model checks and loading, KV-cache bytes per token.
 - `fixtures/`: a small set of each task in the official schemas, written for this project (tests, offline demo).
