@@ -57,6 +57,7 @@ SETTINGS = (
     "prompts",
     "prompt_tokens",
     "continuation_tokens",
+    "generation_batch_size",  # left padding differs with the batch: greedy ties could break otherwise
 )
 
 
@@ -75,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt_tokens", type=int, default=32)
     p.add_argument("--continuation_tokens", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=4, help="blocks per forward")
-    p.add_argument("--generation_batch_size", type=int, default=16, help="questions or prompts per generate()")
+    p.add_argument("--generation_batch_size", type=int, default=32, help="questions or prompts per generate()")
     return p.parse_args()
 
 
