@@ -20,11 +20,11 @@ any two Hugging Face causal LMs with the same tokenizer can be compared.
   agreement of a model's correctness with its source's (both correct, both wrong, ...) and the share of the
   source's correct answers the model keeps.
 
-Why not `qkvshare.evaluation.perplexity.score` or `qkvshare.convert.transfer.kl_to_source`: the first slides
-windows over one packed stream (the `qkvshare perplexity` command's definition) and the second keeps the source's
-full log-probabilities of every block in memory (blocks x tokens x vocabulary floats: 6.4 GB for 64 blocks of 512
-tokens of a 49,152-token vocabulary) and runs a forward of its own. Here the perplexity, the KL and the top-1
-agreement come from the same forward of each model, batch by batch, in memory bounded by one batch's logits.
+Why not `qkvshare.evaluation.perplexity.score` or `qkvshare.convert.transfer.kl_to_source`: both modules import the
+command line (`qkvshare_cli`), which this one must not; the first scores sliding windows over one packed stream (the
+`qkvshare perplexity` command's definition), not blocks, and the second runs a forward of its own for the KL, so a
+perplexity would cost another. Here one forward of each model per batch gives the perplexity, the KL and the top-1
+agreement, in memory bounded by one batch's logits (or, with `reference_log_probs`, by the float16 reference).
 This module imports neither `qkvshare_cli` nor any optional package.
 """
 
@@ -60,7 +60,7 @@ class BlockScores:
     """What `score_blocks` measures on `tokens` scored positions (every position of every block but the last).
 
     `mean_nll` is in nats per token and `perplexity` is its exponential. The `source_*`, `kl` and
-    `top1_agreement` fields are None without a source: `kl` is the mean over positions of
+    `top1_agreement` fields are None without a source (or its reference): `kl` is the mean over positions of
     KL(source || model) = sum_v p_source(v) (log p_source(v) - log p_model(v)) in nats, and `top1_agreement` the
     share of positions where the two models' most probable next tokens are the same.
     """
@@ -164,18 +164,21 @@ def reference_log_probs(
     49,152-token vocabulary)."""
     _check_blocks(blocks)
     device = _device(source)
-    chunks, nll, scored = [], 0.0, 0
+    out: torch.Tensor | None = None  # allocated once the vocabulary is known: no second copy at the end
+    nll, scored = 0.0, 0
     starts = range(0, len(blocks), batch_size)
     for start in tqdm(starts, desc=progress, unit="batch", disable=progress is None or len(starts) < 2):
         batch = blocks[start : start + batch_size].to(device=device, dtype=torch.long)
         log_probs = F.log_softmax(source(input_ids=batch[:, :-1], use_cache=False).logits.float(), dim=-1)
         nll -= log_probs.gather(-1, batch[:, 1:, None]).double().sum().item()
         scored += batch[:, 1:].numel()
-        chunks.append(log_probs.to(device="cpu", dtype=dtype))
+        if out is None:
+            out = torch.empty((len(blocks), blocks.shape[1] - 1, log_probs.shape[-1]), dtype=dtype)
+        out[start : start + len(batch)] = log_probs.to(device="cpu", dtype=dtype)
     if not math.isfinite(nll):
         raise ValueError("the source's loss is not finite: its logits hold NaN or inf, or a target got p = 0.")
-    own = BlockScores(tokens=scored, mean_nll=nll / scored, perplexity=math.exp(nll / scored))
-    return torch.cat(chunks), own
+    assert out is not None
+    return out, BlockScores(tokens=scored, mean_nll=nll / scored, perplexity=math.exp(nll / scored))
 
 
 def block_perplexity(model: Any, blocks: torch.Tensor, batch_size: int = 4) -> float:
