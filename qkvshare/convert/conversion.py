@@ -18,12 +18,11 @@ from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (
     TransferSettings,
     changed_layers,
-    kl_to_source,
     measure_layer_errors,
     run_stages,
-    source_log_probs,
 )
 from qkvshare.convert.weights import build_converted
+from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
 from qkvshare.model_dir import check_architecture
 from qkvshare.version import __version__
 from qkvshare_settings.convert import (
@@ -285,11 +284,11 @@ def _transfer(
 ) -> tuple[QKVShareForCausalLM, dict[str, Any]]:
     """Stages (a) and (b) on every changed layer, then the --cache_budget choice; the model and the record's
     transfer fields (layer_errors, stages, not_kept, cache_budget)."""
-    reference = source_log_probs(source, validation_ids)
+    reference, _ = reference_log_probs(source, validation_ids, dtype=torch.float32, progress=None)
     current = model
 
-    def after_stage(stage: str) -> dict[str, Any]:
-        return {"kl_to_source": kl_to_source(reference, current, validation_ids)}
+    def after_stage(stage: str) -> dict[str, Any]:  # the whole model's mean KL(source || model) per token
+        return {"kl_to_source": score_blocks(current, validation_ids, reference=reference, progress=None).kl}
 
     layers = changed_layers(model.config, source_kv)
     result = run_stages(

@@ -19,13 +19,8 @@ from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import run_distillation
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
-from qkvshare.convert.transfer import (
-    TransferSettings,
-    check_activation_memory,
-    kl_to_source,
-    measure_layer_errors,
-    source_log_probs,
-)
+from qkvshare.convert.transfer import TransferSettings, check_activation_memory, measure_layer_errors
+from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
 from qkvshare.runtime import check_free_space, torch_dtype
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.convert import RECORD_FILE, TRANSFER_DEFAULTS, ConvertArgs
@@ -204,14 +199,14 @@ def distil(
             "from its last checkpoint."
         ) from err
     distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    reference = source_log_probs(source, validation)
+    reference, _ = reference_log_probs(source, validation, dtype=torch.float32, progress=None)
     record.layer_errors["distill"] = measure_layer_errors(source, distilled, validation)
     record.layer_errors["converted"] = record.layer_errors["distill"]
     record.stages["distill"] = asdict(settings) | {
         "steps": settings.steps,
         "tokens": metrics["tokens_seen"],
         "seconds": round(time.perf_counter() - started, 2),
-        "kl_to_source": kl_to_source(reference, distilled, validation),
+        "kl_to_source": score_blocks(distilled, validation, reference=reference, progress=None).kl,
         "validation_kl_of_the_run": metrics.get("val_kl"),
     }
     return distilled

