@@ -93,8 +93,16 @@ def main() -> None:
     from qkvshare import QKVShareConfig
     from qkvshare.convert import calibration_ids, calibration_texts, convert, save_converted
     from qkvshare.convert.conversion import budget_model
-    from qkvshare.convert.distill import DistillSettings, run_distillation
-    from qkvshare.convert.transfer import TransferSettings, kl_to_source, source_log_probs
+    from qkvshare.convert.distill import run_distillation
+    from qkvshare.convert.transfer import TransferSettings
+    from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
+    from qkvshare_settings.train import DistillSettings
+
+    def source_log_probs(source, ids):
+        return reference_log_probs(source, ids, dtype=torch.float32, progress=None)[0]
+
+    def kl_to_source(reference, model, ids):
+        return score_blocks(model, ids, reference=reference, progress=None).kl
 
     cache, out = Path(args.cache_dir).expanduser(), Path(args.output_dir)
     (out / "models").mkdir(parents=True, exist_ok=True)
