@@ -13,7 +13,8 @@ wheels into `--cache_dir`. For the source and each model (`qkvshare.evaluation.f
 
 - KV-cache bytes per token (16-bit) and its share of the source's;
 - perplexity on `--english_blocks` and `--code_blocks` blocks of `--block_size` tokens of held-out general English
-  and code, and its ratio to the source's; the mean KL(source || model) per token on the same blocks, and the
+  and code, and its ratio to the source's; and on `--stdlib_blocks` blocks of the embedded standard-library text's
+  test split, code and prose (what earlier conversions were measured on; no conversion stage reads it); the mean KL(source || model) per token on the same blocks, and the
   share of positions where both models' most probable next token is the same (the source's log-probabilities are
   computed once, kept in float16 in `--output_dir`, and read for every model);
 - knowledge: `--questions` Factbook questions through the chat template, greedy, at most `--answer_tokens`
@@ -48,10 +49,12 @@ import knowledge_data as data  # noqa: E402
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
+DOMAINS = ("english", "code", "stdlib_code", "stdlib_prose")  # the held-out text, by kind
 SETTINGS = (
     "block_size",
     "english_blocks",
     "code_blocks",
+    "stdlib_blocks",
     "questions",
     "answer_tokens",
     "prompts",
@@ -70,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block_size", type=int, default=512)
     p.add_argument("--english_blocks", type=int, default=16, help="held-out English blocks (x block_size tokens)")
     p.add_argument("--code_blocks", type=int, default=16, help="held-out code blocks (x block_size tokens)")
+    p.add_argument(
+        "--stdlib_blocks", type=int, default=4, help="blocks of the embedded text's test split, code and prose each"
+    )
     p.add_argument("--questions", type=int, default=300, help="World Factbook questions")
     p.add_argument("--answer_tokens", type=int, default=32, help="at most this many tokens per answer")
     p.add_argument("--prompts", type=int, default=32, help="greedy-continuation prompts")
@@ -155,7 +161,7 @@ def measure_source(source, tokenizer, inputs: dict, args) -> dict:
 
     seconds: dict[str, float] = {}
     row = {"kv_bytes_per_token": kv_cache_bytes_per_token(source.config, 2), "seconds": seconds}
-    for domain in ("english", "code"):
+    for domain in DOMAINS:
         with Timer(seconds, f"blocks_{domain}"):
             scores = source_reference(source, inputs, domain, args, recompute=True)[1]
         row[f"ppl_{domain}"] = scores.perplexity
@@ -205,7 +211,7 @@ def measure_model(model, source, tokenizer, inputs: dict, reference: dict, args)
     seconds: dict[str, float] = {}
     row = {"variant": variant_of(model.config), "kv_bytes_per_token": kv_cache_bytes_per_token(model.config, 2)}
     row["seconds"] = seconds
-    for domain in ("english", "code"):
+    for domain in DOMAINS:
         with Timer(seconds, f"blocks_{domain}"):
             log_probs = source_reference(source, inputs, domain, args)[0]
             scores = fidelity.score_blocks(
@@ -263,6 +269,8 @@ def write(out: Path, results: dict, inputs: dict) -> None:
         "x source",
         "ppl code",
         "x source",
+        "x stdlib code",
+        "x stdlib prose",
         "KL English",
         "KL code",
         "top-1 agree English",
@@ -276,7 +284,8 @@ def write(out: Path, results: dict, inputs: dict) -> None:
     ]
     nan = float("nan")
     rows = [
-        ["source", ref["kv_bytes_per_token"], 1.0, ref["ppl_english"], 1.0, ref["ppl_code"], 1.0, nan, nan, nan]
+        ["source", ref["kv_bytes_per_token"], 1.0, ref["ppl_english"], 1.0, ref["ppl_code"], 1.0, 1.0, 1.0, nan, nan]
+        + [nan]
         + [ref["accuracy"], nan, ref["empty_answers"], nan, nan, wall_seconds(ref), cpu_seconds(ref)]
     ]
     for label, row in results["rows"].items():
@@ -289,6 +298,8 @@ def write(out: Path, results: dict, inputs: dict) -> None:
                 row["ppl_english"] / ref["ppl_english"],
                 row["ppl_code"],
                 row["ppl_code"] / ref["ppl_code"],
+                row["ppl_stdlib_code"] / ref["ppl_stdlib_code"],
+                row["ppl_stdlib_prose"] / ref["ppl_stdlib_prose"],
                 row["kl_english"],
                 row["kl_code"],
                 row["top1_english"],
@@ -309,7 +320,8 @@ def write(out: Path, results: dict, inputs: dict) -> None:
         f"Source: {results['source']}. Questions asked with {ref['prompt_style']}.",
         f"Held-out English: {s['english_blocks']} blocks of {s['block_size']} tokens of Wikipedia summaries "
         f"({data.WIKI[0]} {data.WIKI[1]}); code: {s['code_blocks']} blocks of {s['block_size']} tokens of "
-        f"{data.PIP_DIR} (pip {data.PIP[1]}); knowledge: {len(questions)} World Factbook questions {kinds} "
+        f"{data.PIP_DIR} (pip {data.PIP[1]}); stdlib: {s['stdlib_blocks']} blocks each of the embedded text's test "
+        f"split (code, prose); knowledge: {len(questions)} World Factbook questions {kinds} "
         f"({data.FACTBOOK[0]} {data.FACTBOOK[1]}), greedy, at most {s['answer_tokens']} tokens; continuations: "
         f"{s['prompts']} English prompts of {s['prompt_tokens']} tokens, {s['continuation_tokens']} new tokens "
         "(end of sequence suppressed). KL in nats per token (against the source's float16 log-probabilities).",
@@ -365,6 +377,12 @@ def main() -> None:
     inputs = {
         "english": data.heldout_blocks(tokenizer, english, args.block_size, args.english_blocks),
         "code": data.heldout_blocks(tokenizer, data.code_documents(cache), args.block_size, args.code_blocks),
+        **{
+            f"stdlib_{kind}": data.heldout_blocks(
+                tokenizer, data.stdlib_test(kind), args.block_size, args.stdlib_blocks
+            )
+            for kind in ("code", "prose")
+        },
         "questions": data.factbook_questions(cache, args.questions),
         "prompts": data.document_prompts(tokenizer, english, args.prompts, args.prompt_tokens),
     }

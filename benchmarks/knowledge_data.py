@@ -130,6 +130,16 @@ def code_documents(cache: Path) -> list[str]:
     return [texts[name] for name in sorted(texts, key=_sha1_key) if len(texts[name].strip()) >= MIN_CODE_CHARS]
 
 
+def stdlib_test(kind: str) -> list[str]:
+    """The embedded standard-library text's test split ("code" or "prose", `qkvshare.convert.data`): no conversion
+    stage reads it; earlier conversions were measured on it (docs/results.md section 11)."""
+    import itertools
+
+    from qkvshare.convert.data import documents
+
+    return list(itertools.islice(documents(kind, "test", 0), 400))
+
+
 def heldout_blocks(tokenizer, documents: list[str], block_size: int, count: int) -> torch.Tensor:
     """(count, block_size + 1) token blocks of the documents packed in order, each followed by EOS (the trainer's
     packing: `qkvshare.train.data`); only as many documents are tokenized as the blocks need."""

@@ -211,6 +211,7 @@ class DistillSettings:
     save_steps: int = 10
     eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
     seed: int = 0
+    trainable_modules: list[str] | None = None  # train only these parameters (`--trainable_modules`); None: all
 
     @property
     def steps(self) -> int:
@@ -251,6 +252,7 @@ def distill_arguments(
         report_to="none",
         sample_max_new_tokens=0,
         seed=s.seed,
+        trainable_modules=s.trainable_modules,
     )
     return Arguments(model, data, train)
 

