@@ -570,3 +570,13 @@ def test_trainable_modules_train_only_those_and_are_part_of_a_resumable_run(corp
     assert "trainable_modules: checkpoint ['self_attn'], now ['mlp']" in capsys.readouterr().err
     assert main([*tiny_argv(corpus_file, tmp_path / "none"), "--trainable_modules", "cross_attn"]) == 2
     assert "--trainable_modules cross_attn matches no parameter of the model" in capsys.readouterr().err
+
+
+def test_distill_settings_reach_the_training_run(tmp_path):
+    from qkvshare_settings.train import DistillSettings, distill_arguments
+
+    settings = DistillSettings(tokens=5000, batch_size=2, block_size=256, trainable_modules=["self_attn"])
+    args = distill_arguments("student", "teacher", "t.jsonl", "v.jsonl", str(tmp_path / "run"), settings)
+    assert args.model.teacher == "teacher" and args.model.init_from == "student"
+    assert args.train.max_steps == 10 and args.train.trainable_modules == ["self_attn"]  # ceil(5000 / 512)
+    assert distill_arguments("s", "t", "a", "b", str(tmp_path), DistillSettings()).train.trainable_modules is None
