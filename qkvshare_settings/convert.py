@@ -181,7 +181,7 @@ class ConvertArgs:
     calibration_file: str | None = None  # .txt or .jsonl (text column); default: the embedded prose + code
     calibration_dataset: str | None = None  # a datasets name, data folder or save_to_disk folder (text column)
     calibration_text: str | None = None  # "+"-joined of self, stdlib, file (default: file if given, else by method)
-    self_text_tokens: int | None = None  # tokens the source writes for `self` (default: its share of what stages read)
+    self_text_tokens: int | None = None  # tokens the source writes for `self` (default: its share of all stages read)
     self_text_dir: str | None = None  # where the source's text is kept and reused (default: the work folder)
     calibration_tokens: int | None = None  # tokens to calibrate on
     calibration_block_size: int = DEFAULT_CALIBRATION_BLOCK  # tokens per sequence
@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--self_text_tokens",
         type=int,
         default=None,
-        help="tokens the source writes for 'self' (default: its share of the calibration and validation tokens)",
+        help="tokens the source writes for 'self' (default: its share of the calibration, validation and distillation "
+        "tokens)",
     )
     p.add_argument(
         "--self_text_dir",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -475,3 +476,20 @@ def test_cli_self_text_is_refused_when_the_source_has_no_room_for_it(source_dir,
     assert not (tmp_path / "out").exists()
     assert qkvshare_cli.main([*argv[:12], "--calibration_text", "self", *argv[14:]]) == 2  # a file, but no +file
     assert "reads no file, but --calibration_file/--calibration_dataset is given" in capsys.readouterr().err
+
+
+def test_self_text_share_covers_what_every_stage_reads(tmp_path):
+    from qkvshare.convert.text import SELF_TEXT_MARGIN, self_text_tokens
+    from qkvshare_settings.convert import ConvertArgs
+
+    def args(**kw):
+        return ConvertArgs(str(tmp_path), str(tmp_path / "out"), "Q-K=V", calibration_text="self+stdlib", **kw)
+
+    transfer = args(method="transfer", calibration_tokens=1000, validation_tokens=200, distill_tokens=8000)
+    assert self_text_tokens(transfer) == math.ceil(9200 * 0.5 * SELF_TEXT_MARGIN)  # stage (c)'s share included
+    no_distill = args(method="transfer", calibration_tokens=1000, validation_tokens=200, distill_tokens=0)
+    assert self_text_tokens(no_distill) == math.ceil(1200 * 0.5 * SELF_TEXT_MARGIN)
+    one_shot = args(method="calibrated", calibration_tokens=1000)  # no stage (c): its default tokens not counted
+    expected = math.ceil((1000 + one_shot.validation_tokens) * 0.5 * SELF_TEXT_MARGIN)
+    assert one_shot.distill_tokens > 0 and self_text_tokens(one_shot) == expected
+    assert self_text_tokens(args(method="transfer", self_text_tokens=77)) == 77

@@ -103,12 +103,17 @@ def self_text_settings(args: ConvertArgs, model: Any, tokenizer: Any) -> SelfTex
 
 
 def self_text_tokens(args: ConvertArgs) -> int:
-    """The tokens the source writes: `--self_text_tokens`, or its share of the calibration and validation tokens
-    (with `SELF_TEXT_MARGIN`)."""
+    """The tokens the source writes: `--self_text_tokens`, or its share of every token the stages read: calibration
+    and validation, and stage (c)'s `--distill_tokens` for a transfer conversion (with `SELF_TEXT_MARGIN`). Without
+    the distillation's share, stage (c) would read the other sources only once the self text ran out (with the
+    defaults, 93% of its tokens)."""
     if args.self_text_tokens is not None:
         return args.self_text_tokens
+    read = args.calibration_tokens + args.validation_tokens
+    if args.method == "transfer":
+        read += args.distill_tokens
     share = 1.0 / len(text_sources(args))
-    return math.ceil((args.calibration_tokens + args.validation_tokens) * share * SELF_TEXT_MARGIN)
+    return math.ceil(read * share * SELF_TEXT_MARGIN)
 
 
 def add_self_text(text: CalibrationText, args: ConvertArgs, model: Any, tokenizer: Any, folder: Path) -> None:
