@@ -28,7 +28,7 @@ Stages (each resumable from a work folder; the errors before and after each go t
   there. Training the shared projection is the only way to carry value information outside the key's subspace. The batch of step s of layer l is a pure function of (seed, l, s) and the learning rate of s,
   so a run resumed from a saved step reproduces the uninterrupted one exactly.
 - (c) end-to-end distillation against the source's logits: `qkvshare train --teacher` (the same loop, resume,
-  checkpoints and DDP), run by the command line on the converted model (`qkvshare.convert.cli`).
+  checkpoints and DDP), run on the converted model by `qkvshare.convert.pipeline` (`qkvshare.train.distill`).
 Head pooling (GQA-g, MQA, Q-GQA-g, Q-MQA) and Q=K layers take the same stages: their init is the mean-pooled or
 key-as-query copy, and (a)/(b) fit what pooling or the symmetric score lost.
 """
