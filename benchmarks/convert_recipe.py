@@ -281,27 +281,55 @@ def report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
     )
     (out / "recipe.md").write_text(text + "\n")
     print(text, flush=True)
-    plot_pareto(out, ref, {k: measured["rows"][k] for k in rows if k in measured["rows"]})
+    name = measured["source"].split(" (")[0]
+    plot_pareto(out, ref, {k: measured["rows"][k] for k in rows if k in measured["rows"]}, name)
 
 
-def plot_pareto(out: Path, ref: dict, rows: dict[str, dict]) -> None:
-    """Perplexity (x the source's) on held-out English and code against KV bytes per token, one point per row."""
+def row_parts(label: str) -> tuple[str, str]:
+    """(text mix, stage) of a row label: "budget-0.75-abc-self-stdlib" -> ("self-stdlib", "abc")."""
+    parts = label.split("-")
+    if parts[0] == "budget":
+        parts = parts[2:]
+    if parts[0] in ("ab", "abc") and len(parts) > 1:
+        return "-".join(parts[1:]), parts[0]
+    return label, label
+
+
+def plot_pareto(out: Path, ref: dict, rows: dict[str, dict], name: str) -> None:
+    """Perplexity (x the source's) on held-out English and code, and the share of the source's correct answers
+    kept, against KV bytes per token: one line per text mix and stage, through its budgets."""
     from qkvshare.analysis.plotting import pyplot
 
     plt = pyplot("the recipe benchmark's Pareto figure")
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axis, domain in zip(axes, ("english", "code")):
-        axis.scatter([ref["kv_bytes_per_token"]], [1.0], color="black", label="source")
-        for label, row in rows.items():
-            ratio = row[f"ppl_{domain}"] / ref[f"ppl_{domain}"]
-            if math.isfinite(ratio):
-                axis.scatter([row["kv_bytes_per_token"]], [ratio], s=18)
-                axis.annotate(label, (row["kv_bytes_per_token"], ratio), fontsize=6)
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    series: dict[tuple[str, str], dict[int, dict]] = {}
+    for label, row in rows.items():
+        series.setdefault(row_parts(label), {})[row["kv_bytes_per_token"]] = row  # a budget that ties every layer
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    texts = sorted({text for text, _ in series})
+    panels = [
+        ("english", "perplexity on held-out English (x source)"),
+        ("code", "perplexity on held-out code (x source)"),
+    ]
+    panels.append(("kept", "share of the source's correct answers kept"))
+    for axis, (measure, title) in zip(axes, panels):
+        axis.scatter([ref["kv_bytes_per_token"]], [1.0], color="black", zorder=3, label="source")
+        for (text, stage), points in sorted(series.items()):
+            xs = sorted(points)
+            if measure == "kept":
+                ys = [points[x]["kept"] if points[x]["kept"] is not None else math.nan for x in xs]
+            else:
+                ys = [points[x][f"ppl_{measure}"] / ref[f"ppl_{measure}"] for x in xs]
+            style = "-o" if stage == "ab" else "--s"
+            colour = colours[texts.index(text) % len(colours)]
+            axis.plot(xs, ys, style, color=colour, markersize=4, label=f"{text}, {stage}")
         axis.set_xlabel("KV-cache bytes per token (16-bit)")
-        axis.set_ylabel(f"perplexity on held-out {domain} (x source)")
-        axis.set_yscale("log")
+        axis.set_ylabel(title)
+        if measure != "kept":
+            axis.set_yscale("log")
         axis.grid(alpha=0.3)
-    figure.suptitle("Converted models: cache size against what they keep")
+    axes[0].legend(fontsize=7)
+    figure.suptitle(f"{name} converted to Q-K=V: cache size against what they keep (stage (a)+(b): solid)")
     figure.tight_layout()
     figure.savefig(out / "pareto.png", dpi=130)
 
