@@ -284,8 +284,20 @@ def write(out: Path, results: dict, inputs: dict) -> None:
     ]
     nan = float("nan")
     rows = [
-        ["source", ref["kv_bytes_per_token"], 1.0, ref["ppl_english"], 1.0, ref["ppl_code"], 1.0, 1.0, 1.0, nan, nan]
-        + [nan]
+        [
+            "source",
+            ref["kv_bytes_per_token"],
+            1.0,
+            ref["ppl_english"],
+            1.0,
+            ref["ppl_code"],
+            1.0,
+            1.0,
+            1.0,
+            nan,
+            nan,
+            nan,
+        ]
         + [ref["accuracy"], nan, ref["empty_answers"], nan, nan, wall_seconds(ref), cpu_seconds(ref)]
     ]
     for label, row in results["rows"].items():

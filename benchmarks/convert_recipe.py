@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import knowledge_data as data  # noqa: E402
-from convert_knowledge import source_dir  # noqa: E402
+from convert_knowledge import DOMAINS, source_dir  # noqa: E402
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
@@ -259,19 +259,19 @@ def report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
     ref = measured["reference"]
     nan = float("nan")
     headers = ["row", "KV B/token", "x English", "x code", "x stdlib code", "x stdlib prose", "KL English"]
-    headers += ["knowledge acc", "kept", "first diff", "tokens", "making s"]
+    headers += ["top-1 English", "knowledge acc", "kept", "first diff", "equal tokens", "tokens", "making s"]
     table = [
-        ["source", ref["kv_bytes_per_token"], 1.0, 1.0, 1.0, 1.0, 0.0, ref["accuracy"], 1.0, nan, 0, 0],
+        ["source", ref["kv_bytes_per_token"], 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, ref["accuracy"], 1.0, nan, 1.0, 0, 0],
     ]
     for label, making in rows.items():
         m = measured["rows"].get(label)
         if m is None:
             continue
-        ratios = [m[f"ppl_{d}"] / ref[f"ppl_{d}"] for d in ("english", "code", "stdlib_code", "stdlib_prose")]
+        ratios = [m[f"ppl_{d}"] / ref[f"ppl_{d}"] for d in DOMAINS]
         kept = m["kept"] if m["kept"] is not None else nan
         table.append(
-            [label, m["kv_bytes_per_token"], *ratios, m["kl_english"], m["accuracy"], kept, m["first_difference"]]
-            + [making.get("tokens") or 0, round(making.get("seconds", 0))]
+            [label, m["kv_bytes_per_token"], *ratios, m["kl_english"], m["top1_english"], m["accuracy"], kept]
+            + [m["first_difference"], m["equal_share"], making.get("tokens") or 0, round(making.get("seconds", 0))]
         )
     text = (
         f"Source: {measured['source']}; ratios are the row's perplexity over the source's "

