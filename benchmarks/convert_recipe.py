@@ -15,14 +15,16 @@ and shared by every row.
 Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
 - `calibrated`: the one-shot `--method calibrated` (Q-K=V, pre-RoPE, the embedded stdlib text);
 - `ab` (TEXT): Q-K=V after stages (a) and (b), every layer tied;
-- `budgets` (TEXT): the same stages under `--budgets` (the layers whose stage-(b) errors are lowest tied, the others
-  the source's own), no further training;
+- `budgets` (TEXT): the same stages under `--budgets` (the layers `--budget_choice` ranks first tied: `kl`, the
+  convert default, the whole model's KL with the layer alone tied; `error`, stage (b)'s error, rows "-by-error";
+  the others the source's own), no further training;
 - `abc` (TEXT): `ab` distilled (stage (c), `--distill_tokens` on the mix's train split), every layer tied;
 - `budgets-abc` (TEXT): each of `--distill_budgets` distilled;
 - `recipe`: the command itself with its defaults, end to end (`qkvshare convert SRC --variant Q-K=V --method
   transfer`, the default text written once into `--self_text_dir`): the wall time of the whole default recipe.
 Rows made from the same text share its stages (a) and (b) (one work folder per text), so their wall times are
-the stages they add; `recipe` is timed whole. `--trainable_modules` restricts stage (c)'s training (default: all).
+the stages they add; `recipe` is timed whole. `--trainable_modules` restricts stage (c)'s training (default: all;
+rows "-attn" for `self_attn`).
 Report: OUT/recipe.md (one table: making and measures) and OUT/pareto.png (perplexity on held-out English and code
 against the KV bytes per token).
 """
@@ -66,6 +68,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transfer_steps", type=int, default=300)
     p.add_argument("--distill_tokens", type=int, default=262144)
     p.add_argument("--trainable_modules", nargs="*", default=None, help="stage (c) trains only these (e.g. self_attn)")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the rows' labels and the stages' work folder: rows made with other settings "
+        "(e.g. --calibration_tokens) beside the defaults' rows",
+    )
+    p.add_argument(
+        "--budget_choice", default="kl", choices=("kl", "error"), help="how a budget ranks the layers to tie"
+    )
     p.add_argument("--self_text_tokens", type=int, default=None, help="tokens of the source's own text (each mix)")
     p.add_argument("--measure_args", nargs=argparse.REMAINDER, default=[], help="passed to convert_knowledge.py")
     return p.parse_args()
@@ -89,6 +100,20 @@ class Maker:
         self.source = load_source(str(src))
         self.self_text_dir = self.out / "self-text"
         self.texts: dict[str, tuple] = {}
+
+    @property
+    def tag(self) -> str:
+        return f"-{self.args.tag}" if self.args.tag else ""
+
+    def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
+        """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
+        errors), "-attn" (stage (c) trained only `--trainable_modules`)."""
+        row += self.tag
+        if budget is not None and self.args.budget_choice != "kl":
+            row += f"-by-{self.args.budget_choice}"
+        if distilled and self.args.trainable_modules:
+            row += "-" + "-".join(m.replace("self_", "") for m in self.args.trainable_modules)
+        return row
 
     def done(self, row: str) -> bool:
         return (self.out / "models" / row / "making.json").is_file()
@@ -159,7 +184,8 @@ class Maker:
             calibration_source=described,
             transfer=TransferSettings(steps=self.args.transfer_steps),
             cache_budget=budget,
-            work_dir=self.out / "work" / f"stages-{slug(text)}",
+            budget_choice=self.args.budget_choice,
+            work_dir=self.out / "work" / f"stages-{slug(text)}{self.tag}",
             progress=True,
         )
         return model, record, time.perf_counter() - started
@@ -174,19 +200,20 @@ class Maker:
 
     def make_stage_rows(self, text: str, rows: list[str]) -> None:
         a = self.args
-        wanted = [f"ab-{slug(text)}"] if "ab" in rows else []
-        wanted += [f"budget-{b}-ab-{slug(text)}" for b in a.budgets] if "budgets" in rows else []
+        ab = f"ab-{slug(text)}{self.tag}"
+        wanted = [ab] if "ab" in rows else []
+        wanted += [self.label(f"budget-{b}-ab-{slug(text)}", b) for b in a.budgets] if "budgets" in rows else []
         if all(self.done(row) for row in wanted):
             return
         _, ids, validation, _, text_seconds = self.text(text)
         model, record, seconds = self.stages(text)
         tokens = ids.numel() + validation.numel()
-        if not self.done(f"ab-{slug(text)}") and "ab" in rows:
-            path = self.save(f"ab-{slug(text)}", model, record)
+        if not self.done(ab) and "ab" in rows:
+            path = self.save(ab, model, record)
             stage_seconds = {k: v.get("seconds") for k, v in record.stages.items()}
-            self.finish(f"ab-{slug(text)}", path, seconds=seconds + text_seconds, tokens=tokens, stages=stage_seconds)
+            self.finish(ab, path, seconds=seconds + text_seconds, tokens=tokens, stages=stage_seconds)
         for budget in a.budgets if "budgets" in rows else ():
-            row = f"budget-{budget}-ab-{slug(text)}"
+            row = self.label(f"budget-{budget}-ab-{slug(text)}", budget)
             if not self.done(row):
                 mixed, mixed_record, more = self.stages(text, budget)
                 self.finish(row, self.save(row, mixed, mixed_record), seconds=more, tokens=tokens, budget=budget)
@@ -195,7 +222,7 @@ class Maker:
         from qkvshare.convert.distill import run_distillation
         from qkvshare.convert.pipeline import distill_settings
 
-        row = f"abc-{slug(text)}" if budget is None else f"budget-{budget}-abc-{slug(text)}"
+        row = self.label(f"abc-{slug(text)}" if budget is None else f"budget-{budget}-abc-{slug(text)}", budget, True)
         if self.done(row):
             return
         mix = self.text(text)[0]

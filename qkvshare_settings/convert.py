@@ -67,8 +67,9 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     on the validation tokens after every stage. The tie point defaults to pre_rope, as for `calibrated`.
 
 `--cache_budget F` (with `--method transfer`, variants that keep the source's key/value heads): keep at most F of
-    the source's KV-cache bytes per token by tying only the layers with the lowest error after stage (b) (each
-    tied layer halves its bytes) and keeping the others exactly as the source has them
+    the source's KV-cache bytes per token by tying only the layers that cost least (`--budget_choice kl`, the
+    default: the whole model's KL divergence to the source on the validation tokens with that layer alone tied;
+    `error`: the layer's own error after stage (b)) (each tied layer halves its bytes) and keeping the others exactly as the source has them
     (`layer_projection_sharing`); stage (c) then distils that model. The record names the tied layers and the
     exact bytes per token.
 
@@ -139,7 +140,9 @@ TRANSFER_DEFAULTS = {
     "distill_temperature": 1.0,
     "distill_lm_weight": 0.0,
     "cache_budget": None,
+    "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
 }
+BUDGET_CHOICES = ("kl", "error")  # how --cache_budget ranks the layers (qkvshare.convert.budget)
 CALIBRATIONS = ("sequential", "independent")
 TEXT_SOURCES = ("self", "stdlib", "file")  # --calibration_text: a "+"-joined mix of these
 # The default text: the transfer recipe's, chosen by docs/results.md section 11.3 (SmolLM2-135M, stages (a)+(b), every
@@ -200,6 +203,7 @@ class ConvertArgs:
     distill_temperature: float = TRANSFER_DEFAULTS["distill_temperature"]  # stage (c) KL temperature
     distill_lm_weight: float = TRANSFER_DEFAULTS["distill_lm_weight"]  # stage (c) LM loss weight
     cache_budget: float | None = TRANSFER_DEFAULTS["cache_budget"]  # transfer: at most this share of the KV bytes
+    budget_choice: str = TRANSFER_DEFAULTS["budget_choice"]  # cache_budget ties the layers of lowest KL (or error)
     seed: int = 0  # order of the calibration text, stage (b)'s batches
     dtype: str = "float32"  # dtype of the saved weights (conversion runs in float32)
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields of CONVERT_OVERRIDES
@@ -227,6 +231,7 @@ class ConvertArgs:
             ("query_method", self.query_method, QUERY_METHODS),
             ("kv_tie_point", self.kv_tie_point, KV_TIE_POINTS),
             ("calibration", self.calibration, CALIBRATIONS),
+            ("budget_choice", self.budget_choice, BUDGET_CHOICES),
         ):
             if value is not None and value not in allowed:
                 raise ValueError(f"--{flag} {value!r} is not one of {', '.join(allowed)}.")
@@ -337,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=t["cache_budget"],
         help="transfer: keep at most this fraction of the source's KV bytes (e.g. 0.75)",
     )
+    p.add_argument(
+        "--budget_choice",
+        choices=BUDGET_CHOICES,
+        default=t["budget_choice"],
+        help="--cache_budget ties the layers whose tying alone costs the least KL to the source (kl), or whose "
+        "stage (b) error is lowest (error)",
+    )
     p.add_argument("--seed", type=int, default=0, help="order of the calibration text, stage (b)'s batches")
     add_dtype_argument(p, "float32", "dtype of the saved weights (conversion runs in float32)")
     p.add_argument("--override", nargs="*", default=None, help="config fields: " + ", ".join(CONVERT_OVERRIDES))
@@ -406,6 +418,11 @@ def check_transfer_args(args: ConvertArgs) -> None:
     for name in ("transfer_learning_rate", "distill_learning_rate", "distill_temperature"):
         if not getattr(args, name) > 0:  # also catches nan
             raise ValueError(f"--{name} {getattr(args, name)} must be a number > 0.")
+    if args.cache_budget is None and args.budget_choice != TRANSFER_DEFAULTS["budget_choice"]:
+        raise ValueError(
+            f"--budget_choice {args.budget_choice} ranks the layers --cache_budget ties, but no --cache_budget is "
+            "given; add --cache_budget F (e.g. 0.75) or drop --budget_choice."
+        )
     if not 0 <= args.distill_lm_weight < 1:
         raise ValueError(f"--distill_lm_weight {args.distill_lm_weight} must be in [0, 1): (1 - w) x KL + w x LM loss.")
     if args.cache_budget is not None and not 0 < args.cache_budget <= 1:

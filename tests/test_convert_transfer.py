@@ -298,9 +298,10 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     assert set(record["stages"]["transfer"]["choices"].values()) == {"trained"}
     assert all(0 < step <= 12 for step in record["stages"]["transfer"]["best_step"].values())
     # The budget: 2 layers x 2 tensors x 2 heads x 16 x 2 bytes = 256 bytes for the source; 0.75 ties one layer,
-    # the one whose stage-(b) error is lower, and keeps the other exactly as the source has it.
+    # the one whose tying alone costs the lower KL (the default choice), and keeps the other as the source has it.
     budget = record["cache_budget"]
-    lower = min(range(2), key=lambda i: errors["transfer"][i])
+    assert budget["chosen_by"] == "kl_to_source with the layer alone tied" and len(budget["layer_scores"]) == 2
+    lower = min(range(2), key=lambda i: budget["layer_scores"][i])
     assert budget["tied_layers"] == [lower] and budget["source_kv_bytes_per_token"] == 256
     # the summary's means: every converted layer before the choice, the tied one after it (the other is exact)
     assert "error (transfer): " in printed and "over the 2 converted layers, 128 held-out tokens" in printed
@@ -362,6 +363,9 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
         (["--variant", "QKV"], "changes none of the source's (an exact copy)"),
         (["--distill_lm_weight", "1"], "--distill_lm_weight 1.0 must be in [0, 1)"),
         (["--validation_tokens", "0"], "--validation_tokens 0 must be at least 1"),
+        (["--budget_choice", "size"], "argument --budget_choice: invalid choice: 'size'"),
+        (["--method", "key", "--budget_choice", "error"], "--budget_choice error set(s) a stage of --method transfer"),
+        (["--budget_choice", "error"], "--budget_choice error ranks the layers --cache_budget ties, but no"),
     ],
 )
 def test_cli_transfer_bad_input_is_refused_before_any_work(source_dir, corpus, tmp_path, capsys, extra, message):
@@ -390,6 +394,43 @@ def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
     assert "hold the source's attention inputs and outputs of every layer in float32" in err, err
     assert "(2 layers x hidden 64 x 8 bytes a token)" in err and "Lower --calibration_tokens" in err, err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, corpus):
+    """The `kl` choice scores each layer by the whole model's KL to the source with that layer alone tied (the
+    mixed model's KL, measured here independently), ties the lowest, and its model is exactly that mixed model;
+    the `error` choice ranks by stage (b)'s errors instead."""
+    from qkvshare.convert.budget import tie_layers
+    from qkvshare.convert.conversion import mixed_model
+
+    source = llama(layers=3).eval()
+    ids, validation = blocks(12), blocks(4, seed=2)
+    settings = replace(SETTINGS, steps=6)
+    common = dict(calibration_ids=ids, validation_ids=validation, transfer=settings, cache_budget=0.9)
+    model, record = convert(source, "Q-K=V", "transfer", **common)
+    full, _ = convert(source, "Q-K=V", "transfer", **(common | {"cache_budget": None}))
+    scores = record.cache_budget["layer_scores"]
+    for i in range(3):  # each score: the KL with layer i alone converted, at the positions that predict a token
+        single = mixed_model(
+            source, full, tie_layers(full.config, [i]), variant="Q-K=V", query_method=None, overrides={}
+        )
+        assert math.isclose(scores[i], mean_kl(source, single, validation[:, :-1]), rel_tol=1e-5), (i, scores[i])
+    lowest = min(range(3), key=lambda i: scores[i])
+    assert record.cache_budget["tied_layers"] == [lowest]
+    expected = mixed_model(
+        source, full, tie_layers(full.config, [lowest]), variant="Q-K=V", query_method=None, overrides={}
+    )
+    assert torch.equal(model(validation).logits, expected(validation).logits)
+    by_error, error_record = convert(source, "Q-K=V", "transfer", **common, budget_choice="error")
+    errors = error_record.layer_errors["transfer"]
+    assert error_record.cache_budget["tied_layers"] == [min(range(3), key=lambda i: errors[i])]
+    assert error_record.cache_budget["chosen_by"] == "layer_errors['transfer']"
+    with pytest.raises(ValueError, match="budget_choice='size' is not a choice; use one of kl, error"):
+        convert(source, "Q-K=V", "transfer", **common, budget_choice="size")
+    from qkvshare_settings.convert import ConvertArgs
+
+    with pytest.raises(ValueError, match="--budget_choice 'size' is not one of kl, error"):
+        ConvertArgs(str(source_dir), "unused-out", "Q-K=V", method="transfer", budget_choice="size")
 
 
 def test_budget_ties_the_lowest_error_layers_until_the_bytes_fit():

@@ -19,7 +19,7 @@ importable from `qkvshare.convert`.
 
 from __future__ import annotations
 
-from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
+from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers, tie_layers
 from qkvshare.convert.calibration import (
     MIN_TOKENS_PER_HEAD_DIM,
     calibrate,
@@ -29,7 +29,14 @@ from qkvshare.convert.calibration import (
     min_calibration_tokens,
     source_streams,
 )
-from qkvshare.convert.conversion import ConversionRecord, budget_model, convert, plan_conversion
+from qkvshare.convert.conversion import (
+    ConversionRecord,
+    budget_model,
+    convert,
+    layer_kl_scores,
+    mixed_model,
+    plan_conversion,
+)
 from qkvshare.convert.distill import run_distillation
 from qkvshare.convert.io import ConversionWriteError, publish, save_converted
 from qkvshare.convert.pipeline import DistillationStopped, convert_checkpoint
@@ -70,6 +77,9 @@ __all__ = [
     "check_cache_budget",
     "choose_tied_layers",
     "budget_model",
+    "mixed_model",
+    "layer_kl_scores",
+    "tie_layers",
     "publish",
     "ConversionWriteError",
     "KV_METHODS",

@@ -2,7 +2,8 @@
 
 A tied layer caches one tensor instead of two, so with the source's key/value heads it holds half the bytes of
 its untied self. Given F, the fraction of the source's KV-cache bytes to keep, the conversion ties the layers
-with the lowest measured error (after the last stage fitted before the choice) until the bytes per token are at
+that cost least (by default the whole model's KL divergence to the source with that layer alone tied, measured on
+the validation tokens; or stage (b)'s error of the layer, `budget_choice="error"`) until the bytes per token are at
 most F x the source's, and keeps every other layer exactly as the source has it (`layer_projection_sharing`
 mixes the modes per layer). F = 1 keeps the source; F = 0.5 ties every layer of a K=V variant.
 
@@ -66,20 +67,28 @@ def check_cache_budget(config: Any, method: str | None, source_kv_heads: int, bu
     return smallest
 
 
-def choose_tied_layers(config: Any, errors: list[float | None], budget: float) -> BudgetChoice:
-    """Tie the layers of lowest error until the cache holds at most `budget` x the source's bytes per token.
+def choose_tied_layers(config: Any, scores: list[float | None], budget: float) -> BudgetChoice:
+    """Tie the layers of lowest score until the cache holds at most `budget` x the source's bytes per token.
 
-    `config` is the fully converted config (every layer in its variant's mode), `errors` one measured error per
-    layer (a layer without one is tied last). Ties between equal errors go to the lower layer index."""
+    `config` is the fully converted config (every layer in its variant's mode), `scores` one measured cost of tying
+    per layer (stage (b)'s error, or the whole model's KL with that layer alone tied; a layer without one is tied
+    last). Ties between equal scores go to the lower layer index."""
     count = config.num_hidden_layers
     untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
     source_bytes = sum(untied)
-    order = sorted(range(count), key=lambda i: (errors[i] is None, errors[i] if errors[i] is not None else 0.0, i))
+    order = sorted(range(count), key=lambda i: (scores[i] is None, scores[i] if scores[i] is not None else 0.0, i))
     total, tied = source_bytes, []
     for i in order:
         if total <= budget * source_bytes:
             break
         total -= untied[i] - tied_bytes[i]
         tied.append(i)
-    modes = [config.layer_sharing(i) if i in tied else "none" for i in range(count)]
-    return BudgetChoice(budget, sorted(tied), modes, total, source_bytes)
+    return tie_layers(config, tied, budget)
+
+
+def tie_layers(config: Any, tied: list[int], budget: float = 1.0) -> BudgetChoice:
+    """The choice that ties exactly `tied` (in `config`'s mode for each) and keeps every other layer the source's."""
+    untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
+    total = sum(tied_bytes[i] if i in tied else untied[i] for i in range(config.num_hidden_layers))
+    modes = [config.layer_sharing(i) if i in tied else "none" for i in range(config.num_hidden_layers)]
+    return BudgetChoice(budget, sorted(tied), modes, total, sum(untied))

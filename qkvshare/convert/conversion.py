@@ -4,18 +4,22 @@ the record it writes (`conversion.json`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from tqdm.auto import tqdm
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.configuration_qkvshare import PROJECTION_ROLES, llama_config_dict
-from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers
+from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers, tie_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (
+    StageFiles,
     TransferSettings,
     changed_layers,
     measure_layer_errors,
@@ -26,6 +30,7 @@ from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
 from qkvshare.model_dir import check_architecture
 from qkvshare.version import __version__
 from qkvshare_settings.convert import (
+    BUDGET_CHOICES,
     CALIBRATIONS,
     CONVERT_OVERRIDES,
     DEFAULT_CALIBRATION,
@@ -33,7 +38,10 @@ from qkvshare_settings.convert import (
     DEFAULT_RIDGE,
     KV_METHODS,
     QUERY_METHODS,
+    TRANSFER_DEFAULTS,
 )
+
+DEFAULT_BUDGET_CHOICE = TRANSFER_DEFAULTS["budget_choice"]
 
 
 @dataclass
@@ -181,6 +189,7 @@ def convert(
     validation_ids: torch.Tensor | None = None,
     transfer: TransferSettings | None = None,
     cache_budget: float | None = None,
+    budget_choice: str = DEFAULT_BUDGET_CHOICE,
     work_dir: Path | None = None,
     progress: bool = False,
     **overrides: Any,
@@ -203,6 +212,8 @@ def convert(
         validation_ids: held-out (batch, length) token ids on which `transfer` measures every stage.
         transfer: the settings of stages (a) and (b) (default `TransferSettings(ridge=ridge)`).
         cache_budget: with `transfer`, the fraction of the source's KV bytes to keep (`qkvshare.convert.budget`).
+        budget_choice: how `cache_budget` ranks the layers: `kl` (the whole model's KL to the source on
+            `validation_ids` with the layer alone tied) or `error` (stage (b)'s error of the layer).
         work_dir: with `transfer`, where the stages save their progress (a rerun continues from it).
         progress: progress bars of the transfer stages.
         overrides: config fields of `CONVERT_OVERRIDES` (e.g. `kv_tie_point="post_rope"`).
@@ -213,6 +224,8 @@ def convert(
     started = time.perf_counter()
     if calibration not in CALIBRATIONS:
         raise ValueError(f"calibration={calibration!r} is not a calibration; use one of {', '.join(CALIBRATIONS)}.")
+    if budget_choice not in BUDGET_CHOICES:
+        raise ValueError(f"budget_choice={budget_choice!r} is not a choice; use one of {', '.join(BUDGET_CHOICES)}.")
     config, method, query_method = plan_conversion(source.config, variant, method, query_method, **overrides)
     if method in ("calibrated", "transfer") or calibration_ids is not None:
         check_calibration_ids(calibration_ids, config)
@@ -233,6 +246,7 @@ def convert(
             validation_ids,
             transfer or TransferSettings(ridge=ridge),
             cache_budget,
+            budget_choice,
             work_dir,
             progress,
             variant,
@@ -276,6 +290,7 @@ def _transfer(
     validation_ids: torch.Tensor,
     settings: TransferSettings,
     cache_budget: float | None,
+    budget_choice: str,
     work_dir: Path | None,
     progress: bool,
     variant: str | None,
@@ -301,8 +316,15 @@ def _transfer(
     budget = None
     if cache_budget is not None:
         last = list(errors)[-1]  # the last stage run
-        current, choice = budget_model(source, model, errors[last], cache_budget, variant, query_method, overrides)
-        budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": f"layer_errors[{last!r}]"}
+        if budget_choice == "kl":
+            build = partial(mixed_model, source, model, variant=variant, query_method=query_method, overrides=overrides)
+            files = StageFiles(work_dir)
+            scores = layer_kl_scores(build, model.config, layers, validation_ids, reference, files, progress)
+            chosen_by = "kl_to_source with the layer alone tied"
+        else:
+            scores, chosen_by = errors[last], f"layer_errors[{last!r}]"
+        current, choice = budget_model(source, model, scores, cache_budget, variant, query_method, overrides)
+        budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": chosen_by, "layer_scores": scores}
         result["stages"]["cache_budget"] = after_stage("cache_budget")
     errors["converted"] = measure_layer_errors(source, current, validation_ids)
     extra = {
@@ -317,15 +339,30 @@ def _transfer(
 def budget_model(
     source: Any,
     model: QKVShareForCausalLM,
-    errors: list[float | None],
+    scores: list[float | None],
     cache_budget: float,
     variant: str | None,
     query_method: str | None,
     overrides: dict[str, Any],
 ) -> tuple[QKVShareForCausalLM, BudgetChoice]:
-    """`model` (every layer converted) with only the layers `choose_tied_layers` picks for `cache_budget` kept
-    converted; every other layer is the source's exact copy (`layer_projection_sharing`)."""
-    choice = choose_tied_layers(model.config, errors, cache_budget)
+    """`model` (every layer converted) with only the layers `choose_tied_layers` picks from `scores` for
+    `cache_budget` kept converted; every other layer is the source's exact copy (`mixed_model`)."""
+    choice = choose_tied_layers(model.config, scores, cache_budget)
+    mixed = mixed_model(source, model, choice, variant=variant, query_method=query_method, overrides=overrides)
+    return mixed, choice
+
+
+def mixed_model(
+    source: Any,
+    model: QKVShareForCausalLM,
+    choice: BudgetChoice,
+    *,
+    variant: str | None,
+    query_method: str | None,
+    overrides: dict[str, Any],
+) -> QKVShareForCausalLM:
+    """The source with only `choice.tied_layers` converted, holding `model`'s (every layer converted) attention
+    there; every other layer is the source's exact copy (`layer_projection_sharing`)."""
     fields = {"kv_tie_point": model.config.kv_tie_point} | overrides
     config = QKVShareConfig.from_llama(
         source.config, variant, **(fields | {"layer_projection_sharing": choice.layer_projection_sharing})
@@ -334,4 +371,29 @@ def budget_model(
     mixed = build_converted(source.state_dict(), source_kv, config, "transfer", query_method)
     for i in choice.tied_layers:
         mixed.model.layers[i].self_attn.load_state_dict(model.model.layers[i].self_attn.state_dict())
-    return mixed, choice
+    return mixed
+
+
+def layer_kl_scores(
+    build: Callable[[BudgetChoice], QKVShareForCausalLM],
+    config: QKVShareConfig,
+    layers: list[int],
+    validation_ids: torch.Tensor,
+    reference: torch.Tensor,
+    files: StageFiles,
+    progress: bool = False,
+) -> list[float | None]:
+    """Per layer, the whole model's mean KL(source || model) per token on `validation_ids` with that layer alone
+    tied (`build` makes the model from a choice): what tying it costs at the output, where stage (b)'s error sees
+    only the layer's own attention output (a layer that is easy to fit may still carry what later layers need).
+    Saved in the work folder's record as each layer finishes, so a rerun (another budget) reuses them."""
+    record = files.load_errors()
+    saved = record.setdefault("layer_kl", {})
+    for i in tqdm(layers, desc="layer KL", disable=not progress, leave=False):
+        if str(i) in saved:
+            continue
+        single = build(tie_layers(config, [i]))
+        saved[str(i)] = score_blocks(single, validation_ids, reference=reference, progress=None).kl
+        del single
+        files.save_errors(record)
+    return [saved.get(str(i)) for i in range(config.num_hidden_layers)]

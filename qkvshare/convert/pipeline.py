@@ -84,6 +84,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         validation_ids=validation,
         transfer=transfer_settings(args) if method == "transfer" else None,
         cache_budget=args.cache_budget,
+        budget_choice=args.budget_choice,
         work_dir=work / "stages" if work is not None else None,
         progress=True,
         **args.overrides,
