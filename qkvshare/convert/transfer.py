@@ -94,46 +94,45 @@ class Activations:
 
 @torch.no_grad()
 def source_activations(source: Any, ids: torch.Tensor, batch_size: int = 4) -> Activations:
-    """Run the source on `ids` (n, T) in batches; keep every layer's attention input and output (float32)."""
+    """Run the source on `ids` (n, T) in batches; keep every layer's attention input and output (float32).
+
+    Each layer's tensors are allocated whole before the first batch and filled in place: the memory held is
+    `activation_bytes` and no more (collecting per-batch pieces and concatenating them held about twice that at its
+    peak, as the allocator kept the freed pieces)."""
     layers = source.model.layers
-    inputs: list[list[torch.Tensor]] = [[] for _ in layers]
-    outputs: list[list[torch.Tensor]] = [[] for _ in layers]
+    n, length = ids.shape
+    hidden = source.config.hidden_size
+    inputs = [torch.empty(n, length, hidden) for _ in layers]
+    outputs = [torch.empty(n, length, hidden) for _ in layers]
     rope: list[Any] = []
+    at = [0]
 
     def before(i: int) -> Callable:
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
-            inputs[i].append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).float())
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            inputs[i][at[0] : at[0] + x.shape[0]] = x
             rope[:] = [kwargs.get("position_embeddings")]
 
         return hook
 
     def after(i: int) -> Callable:
         def hook(module: Any, args: tuple, output: Any) -> None:
-            outputs[i].append((output[0] if isinstance(output, tuple) else output).float())
+            y = output[0] if isinstance(output, tuple) else output
+            outputs[i][at[0] : at[0] + y.shape[0]] = y
 
         return hook
 
     handles = [layer.self_attn.register_forward_pre_hook(before(i), with_kwargs=True) for i, layer in enumerate(layers)]
     handles += [layer.self_attn.register_forward_hook(after(i)) for i, layer in enumerate(layers)]
     try:
-        for start in range(0, ids.shape[0], batch_size):
+        for start in range(0, n, batch_size):
+            at[0] = start
             source.model(input_ids=ids[start : start + batch_size], use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
     cos, sin = (t[:1].float() for t in rope[0])
-    return Activations(
-        _concatenate(inputs), _concatenate(outputs), (cos, sin), causal_mask(ids.shape[1], torch.float32)
-    )
-
-
-def _concatenate(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Each layer's chunks as one tensor, freeing them layer by layer (the peak is the whole plus one layer)."""
-    out = []
-    for i in range(len(chunks)):
-        out.append(torch.cat(chunks[i]))
-        chunks[i] = []
-    return out
+    return Activations(inputs, outputs, (cos, sin), causal_mask(length, torch.float32))
 
 
 def activation_bytes(config: Any, tokens: int) -> int:
