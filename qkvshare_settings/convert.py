@@ -67,11 +67,11 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     on the validation tokens after every stage. The tie point defaults to pre_rope, as for `calibrated`.
 
 `--cache_budget F` (with `--method transfer`, variants that keep the source's key/value heads): keep at most F of
-    the source's KV-cache bytes per token by tying only the layers that cost least (`--budget_choice kl`, the
-    default: the whole model's KL divergence to the source on the validation tokens with that layer alone tied;
-    `error`: the layer's own error after stage (b)) (each tied layer halves its bytes) and keeping the others exactly as the source has them
-    (`layer_projection_sharing`); stage (c) then distils that model. The record names the tied layers and the
-    exact bytes per token.
+    the source's KV-cache bytes per token by tying only the layers that cost least and keeping the others exactly
+    as the source has them (`layer_projection_sharing`; each tied layer halves its bytes). `--budget_choice kl`
+    (the default) ranks a layer by the whole model's KL divergence to the source on the validation tokens with that
+    layer alone tied, `error` by the layer's own error after stage (b). Stage (c) then distils that model. The
+    record names the tied layers, each layer's score and the exact bytes per token.
 
 Calibration text (`--calibration_text`, a `+`-joined mix of sources, each an equal share of the characters):
     `self`: text the source model writes itself (`qkvshare.convert.self_text`: its answers, through its chat
@@ -143,6 +143,7 @@ TRANSFER_DEFAULTS = {
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
 }
 BUDGET_CHOICES = ("kl", "error")  # how --cache_budget ranks the layers (qkvshare.convert.budget)
+DEFAULT_BUDGET_CHOICE = TRANSFER_DEFAULTS["budget_choice"]
 CALIBRATIONS = ("sequential", "independent")
 TEXT_SOURCES = ("self", "stdlib", "file")  # --calibration_text: a "+"-joined mix of these
 # The default text: the transfer recipe's, chosen by docs/results.md section 11.3 (SmolLM2-135M, stages (a)+(b), every
@@ -418,7 +419,7 @@ def check_transfer_args(args: ConvertArgs) -> None:
     for name in ("transfer_learning_rate", "distill_learning_rate", "distill_temperature"):
         if not getattr(args, name) > 0:  # also catches nan
             raise ValueError(f"--{name} {getattr(args, name)} must be a number > 0.")
-    if args.cache_budget is None and args.budget_choice != TRANSFER_DEFAULTS["budget_choice"]:
+    if args.cache_budget is None and args.budget_choice != DEFAULT_BUDGET_CHOICE:
         raise ValueError(
             f"--budget_choice {args.budget_choice} ranks the layers --cache_budget ties, but no --cache_budget is "
             "given; add --cache_budget F (e.g. 0.75) or drop --budget_choice."

@@ -396,10 +396,12 @@ def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
-def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, corpus):
+def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, corpus, tmp_path, monkeypatch):
     """The `kl` choice scores each layer by the whole model's KL to the source with that layer alone tied (the
     mixed model's KL, measured here independently), ties the lowest, and its model is exactly that mixed model;
-    the `error` choice ranks by stage (b)'s errors instead."""
+    the scores are kept in the work folder, so another budget reuses them without a model built; the `error`
+    choice ranks by stage (b)'s errors instead."""
+    import qkvshare.convert.conversion as conversion
     from qkvshare.convert.budget import tie_layers
     from qkvshare.convert.conversion import mixed_model
 
@@ -407,7 +409,7 @@ def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, c
     ids, validation = blocks(12), blocks(4, seed=2)
     settings = replace(SETTINGS, steps=6)
     common = dict(calibration_ids=ids, validation_ids=validation, transfer=settings, cache_budget=0.9)
-    model, record = convert(source, "Q-K=V", "transfer", **common)
+    model, record = convert(source, "Q-K=V", "transfer", **common, work_dir=tmp_path / "work")
     full, _ = convert(source, "Q-K=V", "transfer", **(common | {"cache_budget": None}))
     scores = record.cache_budget["layer_scores"]
     for i in range(3):  # each score: the KL with layer i alone converted, at the positions that predict a token
@@ -421,7 +423,15 @@ def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, c
         source, full, tie_layers(full.config, [lowest]), variant="Q-K=V", query_method=None, overrides={}
     )
     assert torch.equal(model(validation).logits, expected(validation).logits)
-    by_error, error_record = convert(source, "Q-K=V", "transfer", **common, budget_choice="error")
+    saved = json.loads((tmp_path / "work" / "errors.json").read_text())["layer_kl"]
+    assert [saved[str(i)] for i in range(3)] == scores
+    built = []
+    monkeypatch.setattr(conversion, "tie_layers", lambda *a, **k: built.append(a) or tie_layers(*a, **k))
+    _, again = convert(source, "Q-K=V", "transfer", **(common | {"cache_budget": 0.7}), work_dir=tmp_path / "work")
+    assert built == [] and again.cache_budget["layer_scores"] == scores
+    assert again.cache_budget["tied_layers"] == sorted(sorted(range(3), key=lambda i: scores[i])[:2])
+    monkeypatch.undo()
+    _, error_record = convert(source, "Q-K=V", "transfer", **common, budget_choice="error")
     errors = error_record.layer_errors["transfer"]
     assert error_record.cache_budget["tied_layers"] == [min(range(3), key=lambda i: errors[i])]
     assert error_record.cache_budget["chosen_by"] == "layer_errors['transfer']"
