@@ -199,6 +199,70 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_
     assert not (tmp_path / "transfer" / "in-progress.pt").exists()
 
 
+def streams(model, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model`'s residual stream entering block `layer` and that block's attention output, on `ids`."""
+    seen = {}
+
+    def stream(module, args, kwargs) -> None:
+        seen["h"] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+    def attention(module, args, output) -> None:
+        seen["a"] = output[0]
+
+    block = model.model.layers[layer]
+    hooks = [
+        block.register_forward_pre_hook(stream, with_kwargs=True),
+        block.self_attn.register_forward_hook(attention),
+    ]
+    with torch.no_grad():
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return seen["h"], seen["a"]
+
+
+def test_sequential_stage_b_fits_each_layer_on_the_converted_stream_to_the_sources_residual():
+    """Layer 0 sees what the source's saw (same fit as independent); layer 1 is fitted on the converted model's
+    stream h' to h + a - h' (the source's stream after its attention, less h'): its recorded validation error is
+    that, recomputed here from both models' own forward passes."""
+    source = llama(2, layers=3)
+    independent, ind_record = transferred(source, "Q-K=V")
+    model, record = transferred(source, "Q-K=V", settings=replace(SETTINGS, sequential=True))
+    for name, tensor in independent.model.layers[0].state_dict().items():
+        assert torch.equal(tensor, model.model.layers[0].state_dict()[name]), name
+    assert record["layer_errors"]["transfer"][0] == ind_record["layer_errors"]["transfer"][0]
+    assert record["stages"]["transfer"]["sequential"] is True
+    validation = blocks(4, seed=2)
+    for layer in (1, 2):
+        h, a = streams(source, validation, layer)
+        h_conv, a_conv = streams(model, validation, layer)
+        assert not torch.allclose(h, h_conv)  # the converted stream has drifted: the targets differ
+        target = h + a - h_conv
+        error = float((a_conv - target).double().norm() / target.double().norm())
+        assert math.isclose(record["layer_errors"]["transfer"][layer], error, rel_tol=1e-4), (layer, error)
+        assert record["layer_errors"]["transfer"][layer] != ind_record["layer_errors"]["transfer"][layer]
+
+
+@pytest.mark.parametrize("kill_at", [(1, 7), (2, 38)])
+def test_sequential_stage_b_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_path):
+    """The streams are rebuilt from the saved layers on a rerun, so the later layers see the same inputs."""
+    source, settings = llama(2, layers=3), replace(SETTINGS, sequential=True)
+    reference, reference_record = transferred(source, "Q-K=V", settings=settings)
+
+    def kill(layer: int, step: int) -> None:
+        if (layer, step) == kill_at:
+            raise StopAfter
+
+    with pytest.raises(StopAfter):
+        transferred(source, "Q-K=V", tmp_path, kill, settings=settings)
+    with pytest.raises(ValueError, match=r"other settings \(sequential: True then, None now\)"):
+        transferred(source, "Q-K=V", tmp_path)
+    resumed, record = transferred(source, "Q-K=V", tmp_path, settings=settings)
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert record["layer_errors"] == reference_record["layer_errors"]
+
+
 def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monkeypatch):
     import qkvshare.convert.transfer as transfer
 
