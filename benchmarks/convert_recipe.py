@@ -67,11 +67,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--validation_tokens", type=int, default=4096)
     p.add_argument("--transfer_steps", type=int, default=300)
     p.add_argument("--distill_tokens", type=int, default=262144)
-    p.add_argument(
-        "--transfer_sequential",
-        action="store_true",
-        help="stage (b) on the converted model's own hidden states (TransferSettings.sequential); use with --tag",
-    )
     p.add_argument("--trainable_modules", nargs="*", default=None, help="stage (c) trains only these (e.g. self_attn)")
     p.add_argument(
         "--tag",
@@ -187,7 +182,7 @@ class Maker:
             validation_ids=validation,
             source_name=str(self.src),
             calibration_source=described,
-            transfer=TransferSettings(steps=self.args.transfer_steps, sequential=self.args.transfer_sequential),
+            transfer=TransferSettings(steps=self.args.transfer_steps),
             cache_budget=budget,
             budget_choice=self.args.budget_choice,
             work_dir=self.out / "work" / f"stages-{slug(text)}{self.tag}",

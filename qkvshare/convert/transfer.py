@@ -72,7 +72,6 @@ class TransferSettings:
     save_steps: int = 50  # stage (b) saves the layer in progress every this many steps
     eval_steps: int = 25  # stage (b) measures the layer's validation error every this many steps, keeps the best
     seed: int = 0
-    sequential: bool = False  # stage (b) on the converted model's own hidden states (`SequentialTargets`)
 
 
 @dataclass
@@ -174,51 +173,6 @@ def layer_error(module: Any, acts: Activations, layer: int, batch_size: int = 8)
     return math.sqrt(diff / max(ref, 1e-30))
 
 
-class SequentialTargets:
-    """Stage (b)'s inputs and targets when `TransferSettings.sequential`: layer by layer in order, each converted
-    layer is fitted on the hidden states of the model converted so far (the layers before it already fitted), and
-    its target is the source's residual stream after its attention minus the converted stream before it,
-        input_layernorm(h'_i)  ->  h_i + a_i - h'_i
-    (h the source's stream, a the source layer's attention output, h' the converted model's stream): the layer
-    learns what the source's did and to undo the drift the layers before it left, so the errors do not compound
-    as they do when every layer is fitted on the source's own states. Overwrites layer i of the `Activations` in
-    place just before layer i is fitted (`prepare`); `advance` then runs both models' block i over the streams.
-    Holds two streams (source and converted) of the blocks' hidden states per set of activations."""
-
-    def __init__(self, source: Any, model: Any, sets: list[tuple[Activations, torch.Tensor]], batch_size: int = 8):
-        self.source, self.model, self.batch_size = source, model, batch_size
-        self.sets = []
-        with torch.no_grad():
-            for acts, ids in sets:
-                embedded = torch.cat(
-                    [model.model.embed_tokens(ids[s : s + batch_size]).float() for s in range(0, len(ids), batch_size)]
-                )
-                self.sets.append((acts, embedded, embedded.clone()))  # (activations, source stream, converted)
-
-    @torch.no_grad()
-    def prepare(self, layer: int) -> None:
-        """Layer `layer`'s inputs and targets, from the streams at its input."""
-        norm = self.model.model.layers[layer].input_layernorm
-        for acts, src, conv in self.sets:
-            for start in range(0, acts.blocks, self.batch_size):
-                index = slice(start, start + self.batch_size)
-                acts.outputs[layer][index] += src[index] - conv[index]
-                acts.inputs[layer][index] = norm(conv[index])
-
-    @torch.no_grad()
-    def advance(self, layer: int) -> None:
-        """Both streams through block `layer` (the source's, and the converted model's as it is now)."""
-        blocks = (self.source.model.layers[layer], self.model.model.layers[layer])
-        for acts, *streams in self.sets:
-            for block, stream in zip(blocks, streams):
-                dtype = next(block.parameters()).dtype
-                for start in range(0, acts.blocks, self.batch_size):
-                    x = stream[start : start + self.batch_size]
-                    rope = tuple(t.expand(x.shape[0], -1, -1).to(dtype) for t in acts.rope)
-                    out = block(x.to(dtype), attention_mask=acts.mask.to(dtype), position_embeddings=rope)
-                    stream[start : start + self.batch_size] = (out[0] if isinstance(out, tuple) else out).float()
-
-
 def changed_layers(config: Any, source_kv_heads: int) -> list[int]:
     """The layers whose attention a conversion to `config` changes: tied, Q=K or with pooled key/value heads."""
     pooled = config.num_key_value_heads < source_kv_heads
@@ -313,10 +267,6 @@ class StageFiles:
 
     def layer_file(self, stage: str, layer: int) -> Path | None:
         return None if self.root is None else self.root / stage / f"layer-{layer:03d}.safetensors"
-
-    def has_layer(self, stage: str, layer: int) -> bool:
-        path = self.layer_file(stage, layer)
-        return path is not None and path.is_file()
 
     def load_layer(self, stage: str, layer: int, module: Any) -> bool:
         """Load a finished layer of `stage` into `module`; False when there is none."""
@@ -477,15 +427,12 @@ def run_stages(
     files = StageFiles(work_dir)
     record = files.load_errors() or {"layer_errors": {}, "stages": {}}
     fitted_on = {k: v for k, v in asdict(settings).items() if k not in ("closed_form", "save_steps")}
-    if not settings.sequential:  # the setting is recorded where it is on (folders made before it existed match)
-        fitted_on.pop("sequential")
     fitted_on |= {"layers": layers, "train_ids": list(train_ids.shape), "validation_ids": list(validation_ids.shape)}
     if record.setdefault("settings", fitted_on) != fitted_on:
-        then = record["settings"]
         changed = [
-            f"{k}: {then.get(k)} then, {fitted_on.get(k)} now"
-            for k in then | fitted_on
-            if then.get(k) != fitted_on.get(k)
+            f"{k}: {record['settings'].get(k)} then, {v} now"
+            for k, v in fitted_on.items()
+            if record["settings"].get(k) != v
         ]
         raise ValueError(
             f"the work folder {work_dir} holds stages fitted with other settings ({'; '.join(changed)}); continue "
@@ -545,17 +492,9 @@ def run_stages(
         bar = tqdm(total=len(layers) * settings.steps, desc="attention transfer", disable=not progress)
         so_far = record["stages"].setdefault("transfer", {})  # filled as layers finish; completed below
         final_losses, best_steps = so_far.setdefault("final_loss", {}), so_far.setdefault("best_step", {})
-        sequential = None
-        if settings.sequential and not all(files.has_layer("transfer", i) for i in layers):
-            sets = [(train, train_ids), (validation, validation_ids)]
-            sequential = SequentialTargets(source, model, sets, settings.batch_size * 4)
-        for i in range(count) if sequential is not None else layers:
-            if sequential is not None and i in layers:
-                sequential.prepare(i)
-            if i not in layers or files.load_layer("transfer", i, attention[i]):
-                bar.update(settings.steps if i in layers else 0)
-                if sequential is not None:
-                    sequential.advance(i)
+        for i in layers:
+            if files.load_layer("transfer", i, attention[i]):
+                bar.update(settings.steps)
                 continue
             before = _copy_state(attention[i])
             run = train_layer(attention[i], train, i, settings, files, validation, bar, on_step)
@@ -565,8 +504,6 @@ def run_stages(
                 final_losses[str(i)] = run.losses[-1]
             best_steps[str(i)] = run.best_step
             files.save_errors(record)
-            if sequential is not None:
-                sequential.advance(i)
         bar.close()
         if "transfer" not in errors:
             tokens = settings.steps * settings.batch_size * train.inputs[0].shape[1]
