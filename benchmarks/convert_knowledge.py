@@ -20,14 +20,19 @@ wheels into `--cache_dir`. For the source and each model (`qkvshare.evaluation.f
 - knowledge: `--questions` Factbook questions through the chat template, greedy, at most `--answer_tokens`
   tokens: accuracy, the share of the source's correct answers the model keeps, and how many answers are empty
   (the model ends its turn at once);
+- knowledge as multiple choice: the same questions, the answer begun ("The capital of Libya is") and the gold
+  answer scored against `DISTRACTORS` other countries' answers of the same kind by log-probability
+  (`qkvshare.evaluation.fidelity.choose`): accuracy, the share of the source's correct picks kept, and the share of
+  picks equal to the source's. Greedy answers flip on tiny changes (the source with its weights rounded to bfloat16,
+  KL 0.00007 per token, keeps 97.5% of its correct answers); a pick flips only when the model's preference does;
 - greedy continuation agreement on `--prompts` prompts (the first `--prompt_tokens` tokens of other held-out
   English documents), `--continuation_tokens` new tokens: mean first differing position, share of equal tokens,
   and share of identical continuations;
 - the wall time of each measurement.
 
 Resumable: results.json under `--output_dir` holds the source's reference (its answers, continuations,
-perplexities) and every finished row; a rerun skips them, and refuses other evaluation settings (use another
---output_dir). results.md has the table, the settings and a sample of answers.
+perplexities) and every finished row; a rerun skips them (adding the multiple-choice measure to rows made before it
+existed), and refuses other evaluation settings (use another --output_dir). results.md has the table, the settings and a sample of answers.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import knowledge_data as data  # noqa: E402
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
 DOMAINS = ("english", "code", "stdlib_code", "stdlib_prose")  # the held-out text, by kind
+DISTRACTORS = 5  # wrong answers beside the gold one in the multiple-choice measure
 SETTINGS = (
     "block_size",
     "english_blocks",
@@ -171,6 +177,7 @@ def measure_source(source, tokenizer, inputs: dict, args) -> dict:
         )
     row |= answer_fields(answers.texts, inputs["questions"])
     row["prompt_style"] = answers.prompt_style
+    row |= choice_fields(source, tokenizer, inputs, args)
     with Timer(seconds, "continuations"):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         row["continuations"] = fidelity.greedy_continuations(
@@ -201,6 +208,37 @@ def answer_fields(texts: list[str], questions: list) -> dict:
         "accuracy_by_kind": by_kind,
         "empty_answers": sum(not t.strip() for t in texts),
     }
+
+
+def choice_fields(model, tokenizer, inputs: dict, args, reference: dict | None = None) -> dict:
+    """The multiple-choice measure of `model` (with `reference`, the source's, also what it keeps of it)."""
+    from qkvshare.evaluation import fidelity
+
+    questions, started = inputs["questions"], time.perf_counter()
+    result = fidelity.choose(
+        model,
+        tokenizer,
+        [q.question for q in questions],
+        [data.answer_stem(q) for q in questions],
+        inputs["choices"],
+    )
+    correct = [pick == 0 for pick in result.picks]  # the gold answer is each list's first
+    kinds = sorted({q.kind for q in questions})
+    row = {
+        "choice_picks": result.picks,
+        "choice_correct": correct,
+        "choice_accuracy": sum(correct) / len(correct),
+        "choice_accuracy_by_kind": {
+            kind: sum(c for c, q in zip(correct, questions) if q.kind == kind) / sum(q.kind == kind for q in questions)
+            for kind in kinds
+        },
+        "choice_seconds": round(time.perf_counter() - started, 1),
+    }
+    if reference is not None:
+        agreement = fidelity.answer_agreement(correct, reference["choice_correct"])
+        row["choice_kept"] = agreement.kept
+        row["choice_same"] = sum(a == b for a, b in zip(result.picks, reference["choice_picks"])) / len(correct)
+    return row
 
 
 def measure_model(model, source, tokenizer, inputs: dict, reference: dict, args) -> dict:
@@ -236,6 +274,7 @@ def measure_model(model, source, tokenizer, inputs: dict, reference: dict, args)
         "source_only": agreement.source_only,
         "same_answer": agreement.same_answer,
     }
+    row |= choice_fields(model, tokenizer, inputs, args, reference)
     with Timer(seconds, "continuations"):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         cont = fidelity.greedy_agreement(
@@ -277,6 +316,9 @@ def write(out: Path, results: dict, inputs: dict) -> None:
         "knowledge acc",
         "kept of source's correct",
         "empty answers",
+        "choice acc",
+        "choice kept",
+        "same picks",
         "first diff (tokens)",
         "equal tokens",
         "wall s",
@@ -298,7 +340,8 @@ def write(out: Path, results: dict, inputs: dict) -> None:
             nan,
             nan,
         ]
-        + [ref["accuracy"], nan, ref["empty_answers"], nan, nan, wall_seconds(ref), cpu_seconds(ref)]
+        + [ref["accuracy"], nan, ref["empty_answers"], ref.get("choice_accuracy", nan), nan, nan, nan, nan]
+        + [wall_seconds(ref), cpu_seconds(ref)]
     ]
     for label, row in results["rows"].items():
         rows.append(
@@ -318,6 +361,9 @@ def write(out: Path, results: dict, inputs: dict) -> None:
                 row["accuracy"],
                 row["kept"] if row["kept"] is not None else nan,
                 row["empty_answers"],
+                row.get("choice_accuracy", nan),
+                row.get("choice_kept", nan),
+                row.get("choice_same", nan),
                 row["first_difference"],
                 row["equal_share"],
                 wall_seconds(row),
@@ -398,12 +444,21 @@ def main() -> None:
         "questions": data.factbook_questions(cache, args.questions),
         "prompts": data.document_prompts(tokenizer, english, args.prompts, args.prompt_tokens),
     }
+    inputs["choices"] = data.answer_choices(cache, inputs["questions"], DISTRACTORS)
     print(f"data ready in {time.perf_counter() - started:.0f} s", flush=True)
     source = load(src_path)
     if "reference" not in results:
         print(f"measuring the source {described}", flush=True)
         results["reference"] = measure_source(source, tokenizer, inputs, args)
         write(out, results, inputs)
+    if "choice_accuracy" not in results["reference"]:  # measured before the multiple-choice measure existed
+        results["reference"] |= choice_fields(source, tokenizer, inputs, args)
+        write(out, results, inputs)
+    for label, row in results["rows"].items():
+        if "choice_accuracy" not in row and Path(row["model_dir"]).is_dir():
+            print(f"{label}: adding the multiple-choice measure", flush=True)
+            row |= choice_fields(load(Path(row["model_dir"])), tokenizer, inputs, args, results["reference"])
+            write(out, results, inputs)
     for label, path in models.items():
         if label in results["rows"]:
             print(f"{label}: measured already, skipped", flush=True)

@@ -286,9 +286,11 @@ def report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
     ref = measured["reference"]
     nan = float("nan")
     headers = ["row", "KV B/token", "x English", "x code", "x stdlib code", "x stdlib prose", "KL English"]
-    headers += ["top-1 English", "knowledge acc", "kept", "first diff", "equal tokens", "tokens", "making s"]
+    headers += ["top-1 English", "knowledge acc", "kept", "choice acc", "choice kept", "same picks"]
+    headers += ["first diff", "equal tokens", "tokens", "making s"]
     table = [
-        ["source", ref["kv_bytes_per_token"], 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, ref["accuracy"], 1.0, nan, 1.0, 0, 0],
+        ["source", ref["kv_bytes_per_token"], 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, ref["accuracy"], 1.0]
+        + [ref.get("choice_accuracy", nan), 1.0, 1.0, nan, 1.0, 0, 0],
     ]
     for label, making in rows.items():
         m = measured["rows"].get(label)
@@ -298,13 +300,16 @@ def report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
         kept = m["kept"] if m["kept"] is not None else nan
         table.append(
             [label, m["kv_bytes_per_token"], *ratios, m["kl_english"], m["top1_english"], m["accuracy"], kept]
+            + [m.get("choice_accuracy", nan), m.get("choice_kept", nan), m.get("choice_same", nan)]
             + [m["first_difference"], m["equal_share"], making.get("tokens") or 0, round(making.get("seconds", 0))]
         )
     text = (
         f"Source: {measured['source']}; ratios are the row's perplexity over the source's "
         f"(English {ref['ppl_english']:.2f}, code {ref['ppl_code']:.2f}, stdlib code {ref['ppl_stdlib_code']:.2f}, "
         f"prose {ref['ppl_stdlib_prose']:.2f}); knowledge: share of the Factbook questions answered correctly "
-        "(source first), and of the source's correct answers the row keeps.\n\n" + markdown_table(headers, table)
+        "(source first), and of the source's correct answers the row keeps; choice: the same questions as multiple "
+        "choice (the gold answer against other countries' answers, by log-probability), and the share of picks "
+        "equal to the source's.\n\n" + markdown_table(headers, table)
     )
     (out / "recipe.md").write_text(text + "\n")
     print(text, flush=True)
@@ -324,11 +329,12 @@ def row_parts(label: str) -> tuple[str, str]:
 
 def plot_pareto(out: Path, ref: dict, rows: dict[str, dict], name: str) -> None:
     """Perplexity (x the source's) on held-out English and code, and the share of the source's correct answers
-    kept, against KV bytes per token: one line per text mix and stage, through its budgets."""
+    kept (greedy answers; multiple choice), against KV bytes per token: one line per text mix and stage, through
+    its budgets."""
     from qkvshare.analysis.plotting import pyplot
 
     plt = pyplot("the recipe benchmark's Pareto figure")
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    figure, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     series: dict[tuple[str, str], dict[int, dict]] = {}
     for label, row in rows.items():
         series.setdefault(row_parts(label), {})[row["kv_bytes_per_token"]] = row  # a budget that ties every layer
@@ -338,13 +344,14 @@ def plot_pareto(out: Path, ref: dict, rows: dict[str, dict], name: str) -> None:
         ("english", "perplexity on held-out English (x source)"),
         ("code", "perplexity on held-out code (x source)"),
     ]
-    panels.append(("kept", "share of the source's correct answers kept"))
+    panels.append(("kept", "source's correct answers kept (greedy)"))
+    panels.append(("choice_kept", "source's correct picks kept (multiple choice)"))
     for axis, (measure, title) in zip(axes, panels):
         axis.scatter([ref["kv_bytes_per_token"]], [1.0], color="black", zorder=3, label="source")
         for (text, stage), points in sorted(series.items()):
             xs = sorted(points)
-            if measure == "kept":
-                ys = [points[x]["kept"] if points[x]["kept"] is not None else math.nan for x in xs]
+            if "kept" in measure:
+                ys = [points[x].get(measure) if points[x].get(measure) is not None else math.nan for x in xs]
             else:
                 ys = [points[x][f"ppl_{measure}"] / ref[f"ppl_{measure}"] for x in xs]
             style = "-o" if stage == "ab" else "--s"
@@ -352,7 +359,7 @@ def plot_pareto(out: Path, ref: dict, rows: dict[str, dict], name: str) -> None:
             axis.plot(xs, ys, style, color=colour, markersize=4, label=f"{text}, {stage}")
         axis.set_xlabel("KV-cache bytes per token (16-bit)")
         axis.set_ylabel(title)
-        if measure != "kept":
+        if "kept" not in measure:
             axis.set_yscale("log")
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)

@@ -360,6 +360,50 @@ def factbook_questions(cache: Path, count: int = 300) -> list[Question]:
     return sorted(chosen, key=lambda q: _sha1_key(q.question))
 
 
+STEMS = {  # the start of an answer, after which `answer_choices` are scored
+    "capital": "The capital of {country} is",
+    "continent": "{country} is in",
+    "currency": "The currency of {country} is the",
+    "language": "The official language of {country} is",
+}
+
+
+def answer_text(question: Question) -> str:
+    """The gold answer as a choice: the first alias, or for a currency its singular ("Swedish krona")."""
+    if question.kind == "currency" and len(question.aliases) > 1:
+        return question.aliases[1]
+    return question.aliases[0]
+
+
+def answer_stem(question: Question) -> str:
+    stem = STEMS[question.kind].format(country=question.country)
+    return stem[0].upper() + stem[1:]
+
+
+def answer_choices(cache: Path, questions: list[Question], distractors: int = 3) -> list[list[str]]:
+    """Per question, its gold answer (first) and `distractors` other answers of the same kind (other countries'
+    answers, each chosen by a SHA-1 of the question and the answer): none that the gold aliases accept, nor one
+    whose own aliases accept the gold answer ("Indian rupee" is no distractor for "Pakistani rupee")."""
+    from qkvshare.evaluation.fidelity import is_correct
+
+    pool: dict[str, dict[str, list[str]]] = {kind: {} for kind in KINDS}
+    for q in factbook_candidates(cache):
+        pool[q.kind].setdefault(answer_text(q), q.aliases)
+    out = []
+    for q in questions:
+        gold = answer_text(q)
+        usable = [
+            text
+            for text, aliases in pool[q.kind].items()
+            if not is_correct(text, q.aliases) and not is_correct(gold, aliases)
+        ]
+        usable.sort(key=lambda text: _sha1_key(q.question + "\n" + text))
+        if len(usable) < distractors:
+            raise SystemExit(f"only {len(usable)} distractors for {q.question!r}; asked for {distractors}.")
+        out.append([gold, *usable[:distractors]])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Qwen2.5-Coder-0.5B-Instruct from six wheels
 # ----------------------------------------------------------------------------------------------------------------

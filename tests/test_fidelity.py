@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import itertools
 import math
 from pathlib import Path
 
@@ -238,6 +239,37 @@ def test_questions_without_a_chat_template_are_plain_prompts_and_say_so(chat_set
         fd.question_prompts(plain, questions, use_chat_template=True)
     prompts, style = fd.question_prompts(tokenizer, questions[:1], use_chat_template=False)  # asked for: no warning
     assert style == fd.PLAIN_STYLE and tokenizer.decode(prompts[0]) == f"Question: {questions[0]}\nAnswer:"
+
+
+def test_multiple_choice_scores_each_choice_after_the_question_and_its_stem(chat_setup):
+    """Every choice's log-probability (its context run once, the cache repeated for the choices) equals an
+    unbatched, uncached forward of prompt + stem + choice summed over the choice's tokens, for a Llama and for a
+    Q-K=V model with its tied cache; the pick is the best per character; a plain prompt gets a space before its
+    stem."""
+    llama_model, tokenizer = chat_setup
+    tied, _ = convert(llama_model, "Q-K=V", "key")
+    questions = ["What is the capital of France?", "Which currency does Japan use?"]
+    stems = ["The capital of France is", "The currency of Japan is the"]
+    choices = [["Paris", "Rome", "the spoon with warm soapy water"], ["yen", "towel"]]
+    for model, (use_chat, prefix) in itertools.product((llama_model, tied.eval()), ((None, ""), (False, " "))):
+        result = fd.choose(model, tokenizer, questions, stems, choices, use_chat_template=use_chat)
+        prompts, _ = fd.question_prompts(tokenizer, questions, use_chat)
+        for q, (prompt, stem, options) in enumerate(zip(prompts, stems, choices)):
+            context = list(prompt) + tokenizer(prefix + stem, add_special_tokens=False)["input_ids"]
+            expected = []
+            for option in options:
+                tokens = tokenizer(" " + option, add_special_tokens=False)["input_ids"]
+                with torch.no_grad():
+                    logits = model(torch.tensor([context + tokens])).logits[0]
+                log_probs = F.log_softmax(logits[len(context) - 1 : -1].double(), -1)
+                expected.append(float(log_probs[torch.arange(len(tokens)), torch.tensor(tokens)].sum()))
+            assert result.log_probs[q] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+            per_char = [lp / len(option) for lp, option in zip(expected, options)]
+            assert result.picks[q] == per_char.index(max(per_char))
+    with pytest.raises(ValueError, match="2 questions, 1 stems and 2 lists of choices"):
+        fd.choose(llama_model, tokenizer, questions, stems[:1], choices)
+    with pytest.raises(ValueError, match="question 0: every context and every choice needs at least one token"):
+        fd.choice_log_probs(llama_model, [[1, 2]], [[[]]])
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ any two Hugging Face causal LMs with the same tokenizer can be compared.
 - `ask(model, tokenizer, questions)`: greedy answers through the tokenizer's chat template (one user message, the
   generation prompt added), batched with left padding; a tokenizer without a chat template gets plain
   "Question: ...\\nAnswer:" prompts, which the result says (`prompt_style`) and a warning repeats.
+- `choose(model, tokenizer, questions, stems, choices)`: the same questions as multiple choice: after the prompt and
+  the start of an answer (`stems`, e.g. "The capital of Libya is"), which of the `choices` the model finds most
+  likely (summed log-probability of its tokens per character, lm-eval's `acc_norm`). No text is generated, so a
+  change of wording that leaves the answer as it was does not count (`answer_agreement` compares two models' scores).
 - `is_correct(answer, aliases)`, `score_answers`, `answer_agreement`: an answer is correct when, normalised (case,
   accents, punctuation; `normalize_answer`), it contains one of the gold aliases as a whole word or phrase; the
   agreement of a model's correctness with its source's (both correct, both wrong, ...) and the share of the
@@ -525,3 +529,74 @@ def answer_agreement(
         source_only=sum(s and not m for m, s in pairs),
         same_answer=same,
     )
+
+
+@dataclass
+class Choices:
+    """`choose`'s result: per question the index of the chosen answer and every choice's summed log-probability."""
+
+    picks: list[int]
+    log_probs: list[list[float]]
+    prompt_style: str
+
+
+@torch.no_grad()
+def choice_log_probs(
+    model: Any,
+    contexts: Sequence[Sequence[int]],
+    choices: Sequence[Sequence[Sequence[int]]],
+    progress: str | None = None,
+) -> list[list[float]]:
+    """Per context, the summed log-probability of each of its choices' tokens following it (teacher-forced). The
+    context runs once; its cache is repeated for the choices, which run together right-padded (padding follows
+    every scored token, so it changes none)."""
+    if len(contexts) != len(choices):
+        raise ValueError(f"{len(contexts)} contexts for {len(choices)} lists of choices.")
+    for q, (ctx, chs) in enumerate(zip(contexts, choices)):
+        if not len(ctx) or not chs or not all(len(ch) for ch in chs):
+            raise ValueError(f"question {q}: every context and every choice needs at least one token.")
+    device = _device(model)
+    out: list[list[float]] = []
+    for ctx, chs in tqdm(list(zip(contexts, choices)), desc=progress, disable=progress is None, leave=False):
+        first = model(input_ids=torch.tensor([list(ctx)], device=device), use_cache=True)
+        cache = first.cache
+        cache.batch_repeat_interleave(len(chs))
+        ids = torch.zeros(len(chs), max(len(ch) for ch in chs), dtype=torch.long)
+        for r, ch in enumerate(chs):
+            ids[r, : len(ch)] = torch.tensor(list(ch))
+        logits = model(input_ids=ids.to(device), cache=cache, use_cache=True).logits.float().cpu()
+        opening = F.log_softmax(first.logits[0, -1].float().cpu(), dim=-1)  # predicts each choice's first token
+        scores = []
+        for r, ch in enumerate(chs):
+            rest = F.log_softmax(logits[r, : len(ch) - 1], dim=-1).gather(-1, torch.tensor(list(ch[1:]))[:, None])
+            scores.append(float(opening[ch[0]] + rest.sum()))
+        out.append(scores)
+    return out
+
+
+def choose(
+    model: Any,
+    tokenizer: Any,
+    questions: Sequence[str],
+    stems: Sequence[str],
+    choices: Sequence[Sequence[str]],
+    use_chat_template: bool | None = None,
+    progress: str | None = "choices",
+) -> Choices:
+    """Multiple choice: each question asked as `ask` asks it (`question_prompts`), the answer begun with its stem,
+    then each choice (a space before it) scored by `choice_log_probs`; the pick is the highest log-probability per
+    character of the choice (so a long name is not penalised for its length)."""
+    if not (len(questions) == len(stems) == len(choices)):
+        raise ValueError(f"{len(questions)} questions, {len(stems)} stems and {len(choices)} lists of choices.")
+    prompts, style = question_prompts(tokenizer, questions, use_chat_template)
+    space = "" if style == CHAT_STYLE else " "  # a plain prompt ends with "Answer:"
+    contexts = [
+        list(p) + tokenizer(space + stem, add_special_tokens=False)["input_ids"] for p, stem in zip(prompts, stems)
+    ]
+    tokens = [[tokenizer(" " + c, add_special_tokens=False)["input_ids"] for c in chs] for chs in choices]
+    scores = choice_log_probs(model, contexts, tokens, progress)
+    picks = [
+        max(range(len(chs)), key=lambda i, chs=chs, lp=lp: lp[i] / max(1, len(chs[i])))
+        for chs, lp in zip(choices, scores)
+    ]
+    return Choices(picks, scores, style)
