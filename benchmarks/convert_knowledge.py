@@ -21,7 +21,7 @@ wheels into `--cache_dir`. For the source and each model (`qkvshare.evaluation.f
   tokens: accuracy, the share of the source's correct answers the model keeps, and how many answers are empty
   (the model ends its turn at once);
 - knowledge as multiple choice: the same questions, the answer begun ("The capital of Libya is") and the gold
-  answer scored against `DISTRACTORS` other countries' answers of the same kind by log-probability
+  answer scored against `knowledge_data.DISTRACTORS` other countries' answers of the same kind by log-probability
   (`qkvshare.evaluation.fidelity.choose`): accuracy, the share of the source's correct picks kept, and the share of
   picks equal to the source's. Greedy answers flip on tiny changes (the source with its weights rounded to bfloat16,
   KL 0.00007 per token, keeps 97.5% of its correct answers); a pick flips only when the model's preference does;
@@ -32,7 +32,8 @@ wheels into `--cache_dir`. For the source and each model (`qkvshare.evaluation.f
 
 Resumable: results.json under `--output_dir` holds the source's reference (its answers, continuations,
 perplexities) and every finished row; a rerun skips them (adding the multiple-choice measure to rows made before it
-existed), and refuses other evaluation settings (use another --output_dir). results.md has the table, the settings and a sample of answers.
+existed), and refuses other evaluation settings (use another --output_dir). results.md has the table, the settings
+and a sample of answers.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ import knowledge_data as data  # noqa: E402
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
 DOMAINS = ("english", "code", "stdlib_code", "stdlib_prose")  # the held-out text, by kind
-DISTRACTORS = 5  # wrong answers beside the gold one in the multiple-choice measure
 SETTINGS = (
     "block_size",
     "english_blocks",
@@ -177,7 +177,7 @@ def measure_source(source, tokenizer, inputs: dict, args) -> dict:
         )
     row |= answer_fields(answers.texts, inputs["questions"])
     row["prompt_style"] = answers.prompt_style
-    row |= choice_fields(source, tokenizer, inputs, args)
+    row |= choice_fields(source, tokenizer, inputs, seconds)
     with Timer(seconds, "continuations"):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         row["continuations"] = fidelity.greedy_continuations(
@@ -192,47 +192,47 @@ def measure_source(source, tokenizer, inputs: dict, args) -> dict:
     return row
 
 
+def accuracy_by_kind(correct: list[bool], questions: list) -> dict[str, float]:
+    kinds = sorted({q.kind for q in questions})
+    return {
+        kind: sum(c for c, q in zip(correct, questions) if q.kind == kind) / sum(q.kind == kind for q in questions)
+        for kind in kinds
+    }
+
+
 def answer_fields(texts: list[str], questions: list) -> dict:
     from qkvshare.evaluation import fidelity
 
     correct = fidelity.score_answers(texts, [q.aliases for q in questions])
-    kinds = sorted({q.kind for q in questions})
-    by_kind = {
-        kind: sum(c for c, q in zip(correct, questions) if q.kind == kind) / sum(q.kind == kind for q in questions)
-        for kind in kinds
-    }
     return {
         "answers": texts,
         "correct": correct,
         "accuracy": sum(correct) / len(correct),
-        "accuracy_by_kind": by_kind,
+        "accuracy_by_kind": accuracy_by_kind(correct, questions),
         "empty_answers": sum(not t.strip() for t in texts),
     }
 
 
-def choice_fields(model, tokenizer, inputs: dict, args, reference: dict | None = None) -> dict:
-    """The multiple-choice measure of `model` (with `reference`, the source's, also what it keeps of it)."""
+def choice_fields(model, tokenizer, inputs: dict, seconds: dict, reference: dict | None = None) -> dict:
+    """The multiple-choice measure of `model` (with `reference`, the source's, also what it keeps of it); its time
+    goes to `seconds["choices"]`."""
     from qkvshare.evaluation import fidelity
 
-    questions, started = inputs["questions"], time.perf_counter()
-    result = fidelity.choose(
-        model,
-        tokenizer,
-        [q.question for q in questions],
-        [data.answer_stem(q) for q in questions],
-        inputs["choices"],
-    )
+    questions = inputs["questions"]
+    with Timer(seconds, "choices"):
+        result = fidelity.choose(
+            model,
+            tokenizer,
+            [q.question for q in questions],
+            [data.answer_stem(q) for q in questions],
+            inputs["choices"],
+        )
     correct = [pick == 0 for pick in result.picks]  # the gold answer is each list's first
-    kinds = sorted({q.kind for q in questions})
     row = {
         "choice_picks": result.picks,
         "choice_correct": correct,
         "choice_accuracy": sum(correct) / len(correct),
-        "choice_accuracy_by_kind": {
-            kind: sum(c for c, q in zip(correct, questions) if q.kind == kind) / sum(q.kind == kind for q in questions)
-            for kind in kinds
-        },
-        "choice_seconds": round(time.perf_counter() - started, 1),
+        "choice_accuracy_by_kind": accuracy_by_kind(correct, questions),
     }
     if reference is not None:
         agreement = fidelity.answer_agreement(correct, reference["choice_correct"])
@@ -274,7 +274,7 @@ def measure_model(model, source, tokenizer, inputs: dict, reference: dict, args)
         "source_only": agreement.source_only,
         "same_answer": agreement.same_answer,
     }
-    row |= choice_fields(model, tokenizer, inputs, args, reference)
+    row |= choice_fields(model, tokenizer, inputs, seconds, reference)
     with Timer(seconds, "continuations"):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         cont = fidelity.greedy_agreement(
@@ -432,6 +432,7 @@ def main() -> None:
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(src_path)
     english = data.wiki_documents(cache)
+    candidates = data.factbook_candidates(cache)
     inputs = {
         "english": data.heldout_blocks(tokenizer, english, args.block_size, args.english_blocks),
         "code": data.heldout_blocks(tokenizer, data.code_documents(cache), args.block_size, args.code_blocks),
@@ -441,10 +442,10 @@ def main() -> None:
             )
             for kind in ("code", "prose")
         },
-        "questions": data.factbook_questions(cache, args.questions),
+        "questions": data.factbook_questions(candidates, args.questions),
         "prompts": data.document_prompts(tokenizer, english, args.prompts, args.prompt_tokens),
     }
-    inputs["choices"] = data.answer_choices(cache, inputs["questions"], DISTRACTORS)
+    inputs["choices"] = data.answer_choices(candidates, inputs["questions"])
     print(f"data ready in {time.perf_counter() - started:.0f} s", flush=True)
     source = load(src_path)
     if "reference" not in results:
@@ -452,12 +453,15 @@ def main() -> None:
         results["reference"] = measure_source(source, tokenizer, inputs, args)
         write(out, results, inputs)
     if "choice_accuracy" not in results["reference"]:  # measured before the multiple-choice measure existed
-        results["reference"] |= choice_fields(source, tokenizer, inputs, args)
+        ref = results["reference"]
+        ref |= choice_fields(source, tokenizer, inputs, ref["seconds"])
         write(out, results, inputs)
     for label, row in results["rows"].items():
         if "choice_accuracy" not in row and Path(row["model_dir"]).is_dir():
             print(f"{label}: adding the multiple-choice measure", flush=True)
-            row |= choice_fields(load(Path(row["model_dir"])), tokenizer, inputs, args, results["reference"])
+            model = load(Path(row["model_dir"]))
+            row |= choice_fields(model, tokenizer, inputs, row["seconds"], results["reference"])
+            del model
             write(out, results, inputs)
     for label, path in models.items():
         if label in results["rows"]:

@@ -350,8 +350,8 @@ def plot_pareto(out: Path, ref: dict, rows: dict[str, dict], name: str) -> None:
         axis.scatter([ref["kv_bytes_per_token"]], [1.0], color="black", zorder=3, label="source")
         for (text, stage), points in sorted(series.items()):
             xs = sorted(points)
-            if "kept" in measure:
-                ys = [points[x].get(measure) if points[x].get(measure) is not None else math.nan for x in xs]
+            if "kept" in measure:  # None: no correct answer of the source's to keep
+                ys = [math.nan if points[x].get(measure) is None else points[x][measure] for x in xs]
             else:
                 ys = [points[x][f"ppl_{measure}"] / ref[f"ppl_{measure}"] for x in xs]
             style = "-o" if stage == "ab" else "--s"

@@ -341,11 +341,11 @@ def factbook_candidates(cache: Path) -> list[Question]:
     return out
 
 
-def factbook_questions(cache: Path, count: int = 300) -> list[Question]:
-    """`count` questions: an equal share per kind (the rest from the kinds with more), each kind's chosen by a
-    SHA-1 of the question; returned ordered by that SHA-1 (kinds interleaved)."""
+def factbook_questions(candidates: list[Question], count: int = 300) -> list[Question]:
+    """`count` of the `candidates` (`factbook_candidates`): an equal share per kind (the rest from the kinds with
+    more), each kind's chosen by a SHA-1 of the question; returned ordered by that SHA-1 (kinds interleaved)."""
     by_kind = {kind: [] for kind in KINDS}
-    for question in factbook_candidates(cache):
+    for question in candidates:
         by_kind[question.kind].append(question)
     for questions in by_kind.values():
         questions.sort(key=lambda q: _sha1_key(q.question))
@@ -360,6 +360,7 @@ def factbook_questions(cache: Path, count: int = 300) -> list[Question]:
     return sorted(chosen, key=lambda q: _sha1_key(q.question))
 
 
+DISTRACTORS = 5  # wrong answers beside the gold one in the multiple-choice measure
 STEMS = {  # the start of an answer, after which `answer_choices` are scored
     "capital": "The capital of {country} is",
     "continent": "{country} is in",
@@ -380,14 +381,16 @@ def answer_stem(question: Question) -> str:
     return stem[0].upper() + stem[1:]
 
 
-def answer_choices(cache: Path, questions: list[Question], distractors: int = 3) -> list[list[str]]:
-    """Per question, its gold answer (first) and `distractors` other answers of the same kind (other countries'
-    answers, each chosen by a SHA-1 of the question and the answer): none that the gold aliases accept, nor one
-    whose own aliases accept the gold answer ("Indian rupee" is no distractor for "Pakistani rupee")."""
+def answer_choices(
+    candidates: list[Question], questions: list[Question], distractors: int = DISTRACTORS
+) -> list[list[str]]:
+    """Per question, its gold answer (first) and `distractors` other answers of the same kind (the answers of the
+    other `candidates`, each chosen by a SHA-1 of the question and the answer): none that the gold aliases accept,
+    nor one whose own aliases accept the gold answer ("Indian rupee" is no distractor for "Pakistani rupee")."""
     from qkvshare.evaluation.fidelity import is_correct
 
     pool: dict[str, dict[str, list[str]]] = {kind: {} for kind in KINDS}
-    for q in factbook_candidates(cache):
+    for q in candidates:
         pool[q.kind].setdefault(answer_text(q), q.aliases)
     out = []
     for q in questions:
@@ -524,7 +527,7 @@ def main() -> None:
     print(f"general English: {len(english)} Wikipedia summaries, {sum(map(len, english)):,} characters")
     print(f"code: {len(code)} files of {PIP_DIR} (pip {PIP[1]}), {sum(map(len, code)):,} characters")
     candidates = factbook_candidates(cache)
-    questions = factbook_questions(cache, args.questions)
+    questions = factbook_questions(candidates, args.questions)
     counts = {kind: sum(q.kind == kind for q in questions) for kind in KINDS}
     available = {kind: sum(q.kind == kind for q in candidates) for kind in KINDS}
     print(f"knowledge: {len(questions)} questions {counts} of {len(candidates)} usable {available}")

@@ -558,7 +558,7 @@ def choice_log_probs(
     device = _device(model)
     out: list[list[float]] = []
     for ctx, chs in tqdm(list(zip(contexts, choices)), desc=progress, disable=progress is None, leave=False):
-        first = model(input_ids=torch.tensor([list(ctx)], device=device), use_cache=True)
+        first = model(input_ids=torch.tensor([list(ctx)], device=device), use_cache=True, logits_to_keep=1)
         cache = first.cache
         cache.batch_repeat_interleave(len(chs))
         ids = torch.zeros(len(chs), max(len(ch) for ch in chs), dtype=torch.long)
