@@ -268,6 +268,10 @@ def test_multiple_choice_scores_each_choice_after_the_question_and_its_stem(chat
             assert result.picks[q] == per_char.index(max(per_char))
     with pytest.raises(ValueError, match="2 questions, 1 stems and 2 lists of choices"):
         fd.choose(llama_model, tokenizer, questions, stems[:1], choices)
+    with pytest.raises(ValueError, match=r"question 1 \('Which currency does Japan use\?'\): every question needs"):
+        fd.choose(llama_model, tokenizer, questions, stems, [choices[0], ["yen", " "]])
+    with pytest.raises(ValueError, match="question 0 .*: every question needs choices, and each some text"):
+        fd.choose(llama_model, tokenizer, questions, stems, [[], choices[1]])
     with pytest.raises(ValueError, match="question 0: every context and every choice needs at least one token"):
         fd.choice_log_probs(llama_model, [[1, 2]], [[[]]])
 

@@ -588,6 +588,9 @@ def choose(
     character of the choice (so a long name is not penalised for its length)."""
     if not (len(questions) == len(stems) == len(choices)):
         raise ValueError(f"{len(questions)} questions, {len(stems)} stems and {len(choices)} lists of choices.")
+    for q, chs in enumerate(choices):
+        if not chs or not all(c.strip() for c in chs):
+            raise ValueError(f"question {q} ({questions[q]!r}): every question needs choices, and each some text.")
     prompts, style = question_prompts(tokenizer, questions, use_chat_template)
     space = "" if style == CHAT_STYLE else " "  # a plain prompt ends with "Answer:"
     contexts = [
@@ -596,7 +599,6 @@ def choose(
     tokens = [[tokenizer(" " + c, add_special_tokens=False)["input_ids"] for c in chs] for chs in choices]
     scores = choice_log_probs(model, contexts, tokens, progress)
     picks = [
-        max(range(len(chs)), key=lambda i, chs=chs, lp=lp: lp[i] / max(1, len(chs[i])))
-        for chs, lp in zip(choices, scores)
+        max(range(len(chs)), key=lambda i, chs=chs, lp=lp: lp[i] / len(chs[i])) for chs, lp in zip(choices, scores)
     ]
     return Choices(picks, scores, style)
