@@ -16,7 +16,8 @@ Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
 - `calibrated`: the one-shot `--method calibrated` (Q-K=V, pre-RoPE, the embedded stdlib text);
 - `ab` (TEXT): Q-K=V after stages (a) and (b), every layer tied;
 - `budgets` (TEXT): the same stages under `--budgets` (the layers `--budget_choice` ranks first tied: `kl`, the
-  convert default, the whole model's KL with the layer alone tied; `error`, stage (b)'s error, rows "-by-error";
+  convert default, the whole model's KL with the layer alone tied; `kl-rounds`, the same KL
+  measured in rounds beside the layers chosen before, rows "-by-kl-rounds"; `error`, stage (b)'s error, rows "-by-error";
   the others the source's own), no further training;
 - `abc` (TEXT): `ab` distilled (stage (c), `--distill_tokens` on the mix's train split), every layer tied;
 - `budgets-abc` (TEXT): each of `--distill_budgets` distilled;
@@ -50,6 +51,7 @@ import knowledge_data as data  # noqa: E402
 from convert_knowledge import DOMAINS, source_dir  # noqa: E402
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
+from qkvshare_settings.convert import BUDGET_CHOICES  # noqa: E402
 
 ROWS = ("calibrated", "ab", "budgets", "abc", "budgets-abc", "recipe")
 
@@ -74,9 +76,7 @@ def parse_args() -> argparse.Namespace:
         help="appended to the rows' labels and the stages' work folder: rows made with other settings "
         "(e.g. --calibration_tokens) beside the defaults' rows",
     )
-    p.add_argument(
-        "--budget_choice", default="kl", choices=("kl", "error"), help="how a budget ranks the layers to tie"
-    )
+    p.add_argument("--budget_choice", default="kl", choices=BUDGET_CHOICES, help="how a budget ranks the layers to tie")
     p.add_argument("--self_text_tokens", type=int, default=None, help="tokens of the source's own text (each mix)")
     p.add_argument("--measure_args", nargs=argparse.REMAINDER, default=[], help="passed to convert_knowledge.py")
     return p.parse_args()

@@ -19,7 +19,14 @@ importable from `qkvshare.convert`.
 
 from __future__ import annotations
 
-from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers, tie_layers
+from qkvshare.convert.budget import (
+    BudgetChoice,
+    check_cache_budget,
+    choose_tied_layers,
+    choose_tied_layers_in_rounds,
+    every_layer_needed,
+    tie_layers,
+)
 from qkvshare.convert.calibration import (
     MIN_TOKENS_PER_HEAD_DIM,
     calibrate,
@@ -76,6 +83,8 @@ __all__ = [
     "BudgetChoice",
     "check_cache_budget",
     "choose_tied_layers",
+    "choose_tied_layers_in_rounds",
+    "every_layer_needed",
     "budget_model",
     "mixed_model",
     "layer_kl_scores",

@@ -248,7 +248,7 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
     if record.cache_budget is not None:
         b = record.cache_budget
         lines.append(
-            f"cache budget {b['budget']}: tied layers {b['tied_layers']} (lowest {b['chosen_by']}), "
+            f"cache budget {b['budget']}: tied layers {b['tied_layers']} ({b['chosen_by']}), "
             f"{b['kv_bytes_per_token']:,} of the source's {b['source_kv_bytes_per_token']:,} bytes per token "
             f"({b['fraction']:.4f}); KL to the source {record.stages['cache_budget']['kl_to_source']:.4f} per token"
         )
