@@ -78,17 +78,7 @@ def choose_tied_layers(config: Any, scores: list[float | None], budget: float) -
     `config` is the fully converted config (every layer in its variant's mode), `scores` one measured cost of tying
     per layer (stage (b)'s error, or the whole model's KL with that layer alone tied; a layer without one is tied
     last). Ties between equal scores go to the lower layer index."""
-    count = config.num_hidden_layers
-    untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
-    source_bytes = sum(untied)
-    order = sorted(range(count), key=lambda i: (scores[i] is None, scores[i] if scores[i] is not None else 0.0, i))
-    total, tied = source_bytes, []
-    for i in order:
-        if total <= budget * source_bytes:
-            break
-        total -= untied[i] - tied_bytes[i]
-        tied.append(i)
-    return tie_layers(config, tied, budget)
+    return choose_tied_layers_in_rounds(config, lambda tied: scores, budget, rounds=1)[0]
 
 
 def choose_tied_layers_in_rounds(

@@ -333,14 +333,14 @@ def _transfer(
             score = partial(
                 layer_kl_scores, build, model.config, layers, validation_ids, reference, StageFiles(work_dir), progress
             )
-            if budget_choice == "kl":
-                scores = score()
-                choice = choose_tied_layers(model.config, scores, cache_budget)
-                chosen_by = "lowest kl_to_source with the layer alone tied"
+            count = BUDGET_ROUNDS if budget_choice == "kl-rounds" else 1
+            choice, rounds = choose_tied_layers_in_rounds(model.config, score, cache_budget, count)
+            scores = rounds[0]["scores"] if rounds else [None] * model.config.num_hidden_layers
+            chosen_by = "lowest kl_to_source with the layer alone tied"
+            if count > 1:
+                chosen_by = f"lowest kl_to_source with the layers chosen before tied, {count} rounds"
             else:
-                choice, rounds = choose_tied_layers_in_rounds(model.config, score, cache_budget, BUDGET_ROUNDS)
-                scores = rounds[0]["scores"] if rounds else [None] * model.config.num_hidden_layers
-                chosen_by = f"lowest kl_to_source with the layers chosen before tied, {BUDGET_ROUNDS} rounds"
+                rounds = []  # one round: its scores are layer_scores
         else:
             scores, chosen_by = errors[last], f"lowest layer_errors[{last!r}]"
             choice = choose_tied_layers(model.config, scores, cache_budget)
