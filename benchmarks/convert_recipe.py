@@ -16,8 +16,7 @@ Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
 - `calibrated`: the one-shot `--method calibrated` (Q-K=V, pre-RoPE, the embedded stdlib text);
 - `ab` (TEXT): Q-K=V after stages (a) and (b), every layer tied;
 - `budgets` (TEXT): the same stages under `--budgets` (the layers `--budget_choice` ranks first tied: `kl`, the
-  convert default, the whole model's KL with the layer alone tied; `kl-rounds`, the same KL
-  measured in rounds beside the layers chosen before, rows "-by-kl-rounds"; `error`, stage (b)'s error, rows "-by-error";
+  convert default, the whole model's KL with the layer alone tied; `error`, stage (b)'s error, rows "-by-error";
   the others the source's own), no further training;
 - `abc` (TEXT): `ab` distilled (stage (c), `--distill_tokens` on the mix's train split), every layer tied;
 - `budgets-abc` (TEXT): each of `--distill_budgets` distilled;

@@ -435,11 +435,11 @@ def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, c
     errors = error_record.layer_errors["transfer"]
     assert error_record.cache_budget["tied_layers"] == [min(range(3), key=lambda i: errors[i])]
     assert error_record.cache_budget["chosen_by"] == "lowest layer_errors['transfer']"
-    with pytest.raises(ValueError, match="budget_choice='size' is not a choice; use one of kl, kl-rounds, error"):
+    with pytest.raises(ValueError, match="budget_choice='size' is not a choice; use one of kl, error"):
         convert(source, "Q-K=V", "transfer", **common, budget_choice="size")
     from qkvshare_settings.convert import ConvertArgs
 
-    with pytest.raises(ValueError, match="--budget_choice 'size' is not one of kl, kl-rounds, error"):
+    with pytest.raises(ValueError, match="--budget_choice 'size' is not one of kl, error"):
         ConvertArgs(str(source_dir), "unused-out", "Q-K=V", method="transfer", budget_choice="size")
 
 
@@ -459,71 +459,22 @@ def test_budget_ties_the_lowest_error_layers_until_the_bytes_fit():
         check_cache_budget(QKVShareConfig.from_llama(llama(4).config, "Q=K-V"), "transfer", 4, 0.9)
 
 
-def test_rounds_choose_with_the_layers_chosen_before_tied():
-    """Forward selection in rounds: a layer cheap alone but costly beside an earlier choice is passed over; each
-    round removes its share of the bytes; one round is the single-scan choice."""
+def test_a_budget_that_needs_every_layer_measures_none(tmp_path):
+    """When no converted layer can stay untied, there is nothing to rank: no layer's KL is measured and the
+    record says why every layer is tied."""
     from qkvshare import QKVShareConfig
-    from qkvshare.convert.budget import choose_tied_layers, choose_tied_layers_in_rounds, every_layer_needed
+    from qkvshare.convert.budget import every_layer_needed
 
     config = QKVShareConfig.from_llama(llama(2, layers=6).config, "Q-K=V")
-    alone = [0.1, 0.2, 0.5, 0.6, None, 0.3]
-    asked = []
-
-    def score(tied: list[int]) -> list[float | None]:  # layer 1 costs much more once layer 0 is tied
-        asked.append(tied)
-        return [
-            None if i in tied or alone[i] is None else alone[i] + (5.0 if i == 1 and 0 in tied else 0.0)
-            for i in range(6)
-        ]
-
-    choice, rounds = choose_tied_layers_in_rounds(config, score, 0.75, rounds=3)  # 3 of 6 layers, one a round
-    assert asked == [[], [0], [0, 5]] and [r["tied_before"] for r in rounds] == asked
-    assert choice.tied_layers == [0, 2, 5] and choice.fraction == 0.75
-    assert choose_tied_layers(config, alone, 0.75).tied_layers == [0, 1, 5]  # alone: blind to the pair
-    one, _ = choose_tied_layers_in_rounds(config, score, 0.75, rounds=1)
-    assert one.tied_layers == choose_tied_layers(config, score([]), 0.75).tied_layers
-    asked.clear()
-    two, rounds = choose_tied_layers_in_rounds(config, score, 0.9, rounds=3)  # 2 layers: round 2's share is done
-    assert asked == [[], [0]] and two.tied_layers == [0, 5] and len(rounds) == 2
-    with pytest.raises(ValueError, match="rounds=0 must be at least 1"):
-        choose_tied_layers_in_rounds(config, score, 0.75, rounds=0)
     assert every_layer_needed(config, list(range(6)), 0.5).tied_layers == list(range(6))
     assert every_layer_needed(config, list(range(6)), 0.55).tied_layers == list(range(6))  # 7 of 12 > 0.55
     assert every_layer_needed(config, list(range(6)), 0.6) is None  # one layer may stay untied: a choice
-
-
-def test_kl_rounds_scores_each_layer_beside_the_chosen_ones(tmp_path):
-    """`kl-rounds` on a real conversion: the second round's scores are the KL of the model with the first choice
-    and that layer tied, saved in the work folder under the tied layers; a budget that ties every layer measures
-    nothing."""
-    from qkvshare.convert.budget import tie_layers
-    from qkvshare.convert.conversion import mixed_model
-
     source = llama(layers=3).eval()
-    ids, validation = blocks(12), blocks(4, seed=2)
-    common = dict(calibration_ids=ids, validation_ids=validation, transfer=replace(SETTINGS, steps=6))
-    work = tmp_path / "work"
-    model, record = convert(
-        source, "Q-K=V", "transfer", **common, cache_budget=0.7, budget_choice="kl-rounds", work_dir=work
-    )
-    full, _ = convert(source, "Q-K=V", "transfer", **common)
-    budget = record.cache_budget
-    first, second = budget["rounds"]
-    assert first["tied_before"] == [] and first["scores"] == budget["layer_scores"]
-    chosen = min(range(3), key=lambda i: first["scores"][i])
-    assert second["tied_before"] == [chosen] and second["scores"][chosen] is None
-    for i in (i for i in range(3) if i != chosen):
-        both = mixed_model(
-            source, full, tie_layers(full.config, [chosen, i]), variant="Q-K=V", query_method=None, overrides={}
-        )
-        assert math.isclose(second["scores"][i], mean_kl(source, both, validation[:, :-1]), rel_tol=1e-5), i
-    then = min((i for i in range(3) if i != chosen), key=lambda i: second["scores"][i])
-    assert budget["tied_layers"] == sorted([chosen, then]) and "3 rounds" in budget["chosen_by"]
-    saved = json.loads((work / "errors.json").read_text())
-    assert saved[f"layer_kl given {chosen}"] == {str(i): second["scores"][i] for i in range(3) if i != chosen}
+    settings = replace(SETTINGS, steps=6)
+    common = dict(calibration_ids=blocks(12), validation_ids=blocks(4, seed=2), transfer=settings)
     _, every = convert(source, "Q-K=V", "transfer", **common, cache_budget=0.5, work_dir=tmp_path / "every")
     assert every.cache_budget["chosen_by"] == "the budget needs every layer"
-    assert every.cache_budget["tied_layers"] == [0, 1, 2]
+    assert every.cache_budget["tied_layers"] == [0, 1, 2] and every.cache_budget["layer_scores"] == [None] * 3
     assert "layer_kl" not in json.loads((tmp_path / "every" / "errors.json").read_text())
 
 

@@ -23,7 +23,6 @@ from qkvshare.convert.budget import (
     BudgetChoice,
     check_cache_budget,
     choose_tied_layers,
-    choose_tied_layers_in_rounds,
     every_layer_needed,
     tie_layers,
 )
@@ -83,7 +82,6 @@ __all__ = [
     "BudgetChoice",
     "check_cache_budget",
     "choose_tied_layers",
-    "choose_tied_layers_in_rounds",
     "every_layer_needed",
     "budget_model",
     "mixed_model",

@@ -7,17 +7,12 @@ the validation tokens; or stage (b)'s error of the layer, `budget_choice="error"
 most F x the source's, and keeps every other layer exactly as the source has it (`layer_projection_sharing`
 mixes the modes per layer). F = 1 keeps the source; F = 0.5 ties every layer of a K=V variant.
 
-Each layer's cost measured alone misses how tied layers combine (their KLs compound: docs/results.md 11.3), so the
-`kl-rounds` choice selects forward in rounds instead (`choose_tied_layers_in_rounds`): each round measures every
-layer not yet tied with the layers chosen so far tied, and ties the cheapest for its share of the bytes.
-
 Only variants that keep the source's key/value heads take a budget: an untied layer of a pooled variant (Q-MQA)
 would still be pooled, not the source's, and would need a conversion of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,38 +73,17 @@ def choose_tied_layers(config: Any, scores: list[float | None], budget: float) -
     `config` is the fully converted config (every layer in its variant's mode), `scores` one measured cost of tying
     per layer (stage (b)'s error, or the whole model's KL with that layer alone tied; a layer without one is tied
     last). Ties between equal scores go to the lower layer index."""
-    return choose_tied_layers_in_rounds(config, lambda tied: scores, budget, rounds=1)[0]
-
-
-def choose_tied_layers_in_rounds(
-    config: Any, score: Callable[[list[int]], list[float | None]], budget: float, rounds: int
-) -> tuple[BudgetChoice, list[dict[str, Any]]]:
-    """Forward selection in `rounds` rounds: round r measures `score(tied)` (one cost per layer of tying it with the
-    layers `tied` so far already tied; None for a layer that cannot be tied, which is tied last) and ties the
-    cheapest layers not yet tied until r / rounds of the bytes the budget removes are removed. One round is
-    `choose_tied_layers` on `score([])`; more rounds see how the tied layers combine, at one more scan each.
-
-    Returns the choice and, per round, the layers tied before it and its scores."""
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds} must be at least 1.")
     count = config.num_hidden_layers
     untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
     source_bytes = sum(untied)
-    goal = budget * source_bytes
-    total, tied, history = source_bytes, [], []
-    for r in range(1, rounds + 1):
-        target = goal if r == rounds else source_bytes - (source_bytes - goal) * r / rounds
-        if total <= target:  # an earlier round already removed this round's share
-            continue
-        scores = score(sorted(tied))
-        history.append({"tied_before": sorted(tied), "scores": scores})
-        free = [i for i in range(count) if i not in tied]
-        for i in sorted(free, key=lambda i: (scores[i] is None, scores[i] if scores[i] is not None else 0.0, i)):
-            if total <= target:
-                break
-            total -= untied[i] - tied_bytes[i]
-            tied.append(i)
-    return tie_layers(config, tied, budget), history
+    order = sorted(range(count), key=lambda i: (scores[i] is None, scores[i] if scores[i] is not None else 0.0, i))
+    total, tied = source_bytes, []
+    for i in order:
+        if total <= budget * source_bytes:
+            break
+        total -= untied[i] - tied_bytes[i]
+        tied.append(i)
+    return tie_layers(config, tied, budget)
 
 
 def every_layer_needed(config: Any, layers: list[int], budget: float) -> BudgetChoice | None:

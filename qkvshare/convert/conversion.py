@@ -16,14 +16,7 @@ from tqdm.auto import tqdm
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.configuration_qkvshare import PROJECTION_ROLES, llama_config_dict
-from qkvshare.convert.budget import (
-    BudgetChoice,
-    check_cache_budget,
-    choose_tied_layers,
-    choose_tied_layers_in_rounds,
-    every_layer_needed,
-    tie_layers,
-)
+from qkvshare.convert.budget import BudgetChoice, check_cache_budget, choose_tied_layers, every_layer_needed, tie_layers
 from qkvshare.convert.calibration import calibrate, check_calibration_ids
 from qkvshare.convert.transfer import (
     StageFiles,
@@ -38,7 +31,6 @@ from qkvshare.model_dir import check_architecture
 from qkvshare.version import __version__
 from qkvshare_settings.convert import (
     BUDGET_CHOICES,
-    BUDGET_ROUNDS,
     CALIBRATIONS,
     CONVERT_OVERRIDES,
     DEFAULT_BUDGET_CHOICE,
@@ -219,8 +211,7 @@ def convert(
         transfer: the settings of stages (a) and (b) (default `TransferSettings(ridge=ridge)`).
         cache_budget: with `transfer`, the fraction of the source's KV bytes to keep (`qkvshare.convert.budget`).
         budget_choice: how `cache_budget` ranks the layers: `kl` (the whole model's KL to the source on
-            `validation_ids` with the layer alone tied), `kl-rounds` (the same KL with the layers chosen so far
-            tied, `BUDGET_ROUNDS` rounds of forward selection) or `error` (stage (b)'s error of the layer).
+            `validation_ids` with the layer alone tied) or `error` (stage (b)'s error of the layer).
         work_dir: with `transfer`, where the stages save their progress (a rerun continues from it).
         progress: progress bars of the transfer stages.
         overrides: config fields of `CONVERT_OVERRIDES` (e.g. `kv_tie_point="post_rope"`).
@@ -323,31 +314,19 @@ def _transfer(
     budget = None
     if cache_budget is not None:
         last = list(errors)[-1]  # the last stage run
-        rounds: list[dict[str, Any]] = []
         needs_all = every_layer_needed(model.config, layers, cache_budget)
         if needs_all is not None:  # nothing to choose: no scan
-            choice, chosen_by = needs_all, "the budget needs every layer"
-            scores = [None] * model.config.num_hidden_layers
-        elif budget_choice in ("kl", "kl-rounds"):
+            scores, chosen_by = [None] * model.config.num_hidden_layers, "the budget needs every layer"
+        elif budget_choice == "kl":
             build = partial(mixed_model, source, model, variant=variant, query_method=query_method, overrides=overrides)
-            score = partial(
-                layer_kl_scores, build, model.config, layers, validation_ids, reference, StageFiles(work_dir), progress
-            )
-            count = BUDGET_ROUNDS if budget_choice == "kl-rounds" else 1
-            choice, rounds = choose_tied_layers_in_rounds(model.config, score, cache_budget, count)
-            scores = rounds[0]["scores"] if rounds else [None] * model.config.num_hidden_layers
+            files = StageFiles(work_dir)
+            scores = layer_kl_scores(build, model.config, layers, validation_ids, reference, files, progress)
             chosen_by = "lowest kl_to_source with the layer alone tied"
-            if count > 1:
-                chosen_by = f"lowest kl_to_source with the layers chosen before tied, {count} rounds"
-            else:
-                rounds = []  # one round: its scores are layer_scores
         else:
             scores, chosen_by = errors[last], f"lowest layer_errors[{last!r}]"
-            choice = choose_tied_layers(model.config, scores, cache_budget)
+        choice = needs_all or choose_tied_layers(model.config, scores, cache_budget)
         current = mixed_model(source, model, choice, variant=variant, query_method=query_method, overrides=overrides)
         budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": chosen_by, "layer_scores": scores}
-        if rounds:
-            budget["rounds"] = rounds
         result["stages"]["cache_budget"] = after_stage("cache_budget")
     errors["converted"] = measure_layer_errors(source, current, validation_ids)
     extra = {
@@ -405,23 +384,18 @@ def layer_kl_scores(
     reference: torch.Tensor,
     files: StageFiles,
     progress: bool = False,
-    tied: list[int] | None = None,
 ) -> list[float | None]:
-    """Per layer, the whole model's mean KL(source || model) per token on `validation_ids` with that layer tied,
-    alone or beside the layers `tied` (`build` makes the model from a choice; a layer of `tied` or outside
-    `layers` scores None): what tying it costs at the output, where stage (b)'s error sees only the layer's own
-    attention output (a layer that is easy to fit may still carry what later layers need). Saved in the work
-    folder's record as each layer finishes (under `layer_kl`, or `layer_kl given 0,5` beside tied layers 0 and 5),
-    so a rerun (another budget) reuses them."""
-    tied = sorted(tied or [])
+    """Per layer, the whole model's mean KL(source || model) per token on `validation_ids` with that layer alone
+    tied (`build` makes the model from a choice): what tying it costs at the output, where stage (b)'s error sees
+    only the layer's own attention output (a layer that is easy to fit may still carry what later layers need).
+    Saved in the work folder's record as each layer finishes, so a rerun (another budget) reuses them."""
     record = files.load_errors()
-    saved = record.setdefault("layer_kl" + (f" given {','.join(map(str, tied))}" if tied else ""), {})
-    todo = [i for i in layers if i not in tied]
-    for i in tqdm(todo, desc=f"layer KL ({len(tied)} tied)" if tied else "layer KL", disable=not progress, leave=False):
+    saved = record.setdefault("layer_kl", {})
+    for i in tqdm(layers, desc="layer KL", disable=not progress, leave=False):
         if str(i) in saved:
             continue
-        single = build(tie_layers(config, [*tied, i]))
+        single = build(tie_layers(config, [i]))
         saved[str(i)] = score_blocks(single, validation_ids, reference=reference, progress=None).kl
         del single
         files.save_errors(record)
-    return [saved.get(str(i)) if i in todo else None for i in range(config.num_hidden_layers)]
+    return [saved.get(str(i)) for i in range(config.num_hidden_layers)]
