@@ -89,11 +89,10 @@ def choose_tied_layers(config: Any, scores: list[float | None], budget: float) -
 def every_layer_needed(config: Any, layers: list[int], budget: float) -> BudgetChoice | None:
     """The choice tying every one of `layers` when the budget cannot leave any of them untied (nothing to rank,
     so no layer need be measured), else None."""
-    goal = budget * kv_cache_bytes_per_token(config, tied=False)
+    untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
     every = tie_layers(config, layers, budget)
-    if all(tie_layers(config, [j for j in layers if j != i]).kv_bytes_per_token > goal for i in layers):
-        return every
-    return None
+    smallest_saving = min((untied[i] - tied_bytes[i] for i in layers), default=0)  # the cheapest to leave untied
+    return every if every.kv_bytes_per_token + smallest_saving > budget * sum(untied) else None
 
 
 def tie_layers(config: Any, tied: list[int], budget: float = 1.0) -> BudgetChoice:

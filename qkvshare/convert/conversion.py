@@ -314,8 +314,7 @@ def _transfer(
     budget = None
     if cache_budget is not None:
         last = list(errors)[-1]  # the last stage run
-        needs_all = every_layer_needed(model.config, layers, cache_budget)
-        if needs_all is not None:  # nothing to choose: no scan
+        if every_layer_needed(model.config, layers, cache_budget) is not None:  # nothing to rank: no scan
             scores, chosen_by = [None] * model.config.num_hidden_layers, "the budget needs every layer"
         elif budget_choice == "kl":
             build = partial(mixed_model, source, model, variant=variant, query_method=query_method, overrides=overrides)
@@ -324,8 +323,7 @@ def _transfer(
             chosen_by = "lowest kl_to_source with the layer alone tied"
         else:
             scores, chosen_by = errors[last], f"lowest layer_errors[{last!r}]"
-        choice = needs_all or choose_tied_layers(model.config, scores, cache_budget)
-        current = mixed_model(source, model, choice, variant=variant, query_method=query_method, overrides=overrides)
+        current, choice = budget_model(source, model, scores, cache_budget, variant, query_method, overrides)
         budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": chosen_by, "layer_scores": scores}
         result["stages"]["cache_budget"] = after_stage("cache_budget")
     errors["converted"] = measure_layer_errors(source, current, validation_ids)
