@@ -245,6 +245,7 @@ class Maker:
 
     def make_recipe(self) -> None:
         from qkvshare.convert import convert_checkpoint
+        from qkvshare.convert.pipeline import TIMED_STAGES
         from qkvshare_settings.convert import ConvertArgs
 
         if self.done("recipe"):
@@ -261,10 +262,14 @@ class Maker:
         )
         record = convert_checkpoint(args)
         distilled = record.stages.get("distill", {})
+        timed = {key: record.stages[key] for key, _ in TIMED_STAGES if key in record.stages}
         self.finish(
             "recipe",
             path,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started,  # this run's wall time: the whole recipe when not resumed
+            # each stage's own time summed over every run of a resumed recipe (loading and measuring left out)
+            stage_seconds={key: stage.get("train_seconds") or stage["seconds"] for key, stage in timed.items()},
+            tokens_per_second={key: stage.get("tokens_per_second") for key, stage in timed.items()},
             tokens=distilled.get("tokens"),
             text=args.calibration_text,
         )

@@ -227,6 +227,25 @@ def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monk
         assert torch.equal(a, b), name
 
 
+def test_a_finished_stage_with_a_lost_layer_file_fits_that_layer_again(tmp_path):
+    """A work folder whose record holds stage (b) as done but lacks one layer's file (deleted, copied in part)."""
+    from transformers.testing_utils import CaptureLogger
+
+    import qkvshare.convert.transfer as transfer
+
+    source = llama(2)
+    reference, reference_record = transferred(source, "Q-K=V", tmp_path)
+    (tmp_path / "transfer" / "layer-001.safetensors").unlink()
+    with CaptureLogger(transfer.logger) as captured:
+        resumed, record = transferred(source, "Q-K=V", tmp_path)
+    assert "holds stage 'transfer' as finished but not the saved layers [1]: they are fitted again" in captured.out
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert record["layer_errors"] == reference_record["layer_errors"]
+    assert record["choices"] == reference_record["choices"]
+    assert (tmp_path / "transfer" / "layer-001.safetensors").is_file()
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Calibration text
 # --------------------------------------------------------------------------------------------------------------
@@ -315,6 +334,12 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
         model(blocks(1, 10), cache=cache, use_cache=True)
     assert sum(cache.layer_nbytes(i) for i in range(2)) == 10 * 192 * 2  # fp32: twice the 16-bit bytes
     assert record["stages"]["distill"]["tokens"] >= 256 and "distill" in errors
+    distilled, transfer = record["stages"]["distill"], record["stages"]["transfer"]
+    assert distilled["tokens_per_second"] == pytest.approx(distilled["tokens"] / distilled["train_seconds"], rel=0.05)
+    assert transfer["seconds"] == pytest.approx(sum(transfer["layer_seconds"].values()), abs=0.02)
+    assert set(transfer["layer_seconds"]) == {"0", "1"}
+    assert f"time: stage (a) {record['stages']['closed_form']['seconds']:,.0f} s, stage (b)" in printed
+    assert f"stage (c) {distilled['train_seconds']:,.0f} s ({distilled['tokens_per_second']:,.0f} tokens/s)" in printed
     assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(source_dir).get_vocab()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the work folder is gone
 
@@ -527,11 +552,16 @@ def test_cli_transfer_on_the_sources_own_text_keeps_and_reuses_it(long_source_di
     shards = sorted(kept.glob("shard-*.json"))
     assert shards and (kept / "manifest.json").is_file() and not (tmp_path / ".a.qkvshare-convert").exists()
     written = {path.name: path.read_bytes() for path in shards}
+    shard_seconds = sum(json.loads(text)["seconds"] for text in written.values())
+    made = record["stages"]["self_text"]
+    assert made["new_tokens_now"] > 0 and made["seconds"] == pytest.approx(shard_seconds, abs=0.01)
     # A second conversion with the same text reads it back: nothing generated, the same text, the same model.
     capsys.readouterr()
     assert qkvshare_cli.main(self_text_argv(long_source_dir, corpus, tmp_path / "b", "--self_text_dir", str(kept))) == 0
     assert {path.name: path.read_bytes() for path in sorted(kept.glob("shard-*.json"))} == written
     assert "tokens/s" not in capsys.readouterr().err  # no generation, no progress of one
+    reused = json.loads((tmp_path / "b" / "conversion.json").read_text())["stages"]["self_text"]
+    assert reused == made | {"new_tokens_now": 0}  # the text's time is the shards' own, however they were made
     a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict() for name in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a) and SHARD.format(0) in written
 

@@ -89,6 +89,8 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         progress=True,
         **args.overrides,
     )
+    if writes_text:
+        record.stages = {"self_text": self_text_stage(text.self_text)} | record.stages
     if method == "transfer" and args.distill_tokens > 0:
         model = distil(args, source, model, record, tokenizer, text, validation, work)
     record.seconds = round(time.perf_counter() - started, 2)
@@ -207,14 +209,38 @@ def distil(
         "steps": settings.steps,
         "tokens": metrics["tokens_seen"],
         "seconds": round(time.perf_counter() - started, 2),
+        # the training steps' time and rate over every part of a resumed run (from the run's checkpoints)
+        "train_seconds": metrics.get("train_seconds"),
+        "tokens_per_second": metrics.get("train_tokens_per_second"),
         "kl_to_source": score_blocks(distilled, validation, reference=reference, progress=None).kl,
         "validation_kl_of_the_run": metrics.get("val_kl"),
     }
     return distilled
 
 
+def self_text_stage(self_text: Any) -> dict[str, Any]:
+    """The record's entry for the source's own text: its tokens, and the generation time of all its shards (those
+    an earlier, interrupted or reused, run wrote included) and their rate."""
+    seconds = self_text.shard_seconds
+    return {
+        "tokens": self_text.tokens,
+        "new_tokens_now": self_text.new_tokens_generated,
+        "seconds": round(seconds, 2),
+        "tokens_per_second": self_text.tokens / seconds if seconds > 0 else None,
+    }
+
+
 class DistillationStopped(CommandStopped):
     """Stage (c)'s training run stopped (a signal, a full disk, a diverged loss); rerunning continues it."""
+
+
+# The stages the summary times (summed over the runs of a resumed conversion), in order, by the record's names.
+TIMED_STAGES = (
+    ("self_text", "the source's text"),
+    ("closed_form", "stage (a)"),
+    ("transfer", "stage (b)"),
+    ("distill", "stage (c)"),
+)
 
 
 def _print_summary(record: ConversionRecord, config: Any, source_config: dict[str, Any], out: Path) -> None:
@@ -252,5 +278,14 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
             f"{b['kv_bytes_per_token']:,} of the source's {b['source_kv_bytes_per_token']:,} bytes per token "
             f"({b['fraction']:.4f}); KL to the source {record.stages['cache_budget']['kl_to_source']:.4f} per token"
         )
+    timed = []
+    for key, label in TIMED_STAGES:
+        stage = record.stages.get(key) or {}
+        seconds = stage.get("train_seconds") or stage.get("seconds")
+        if seconds is not None:
+            rate = stage.get("tokens_per_second")
+            timed.append(f"{label} {seconds:,.0f} s" + (f" ({rate:,.0f} tokens/s)" if rate else ""))
+    if timed:
+        lines.append(f"time: {', '.join(timed)}; this run {record.seconds:,.0f} s in all")
     lines.append(f"model directory: {out.resolve()}")
     print("\n".join(lines), flush=True)

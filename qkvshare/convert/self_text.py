@@ -717,6 +717,11 @@ class _Folder:
             _atomic_write(manifest, json.dumps(wanted | {"environment": _environment()}, indent=1))
 
     def load(self, index: int) -> list[Sample] | None:
+        shard = self.load_shard(index)
+        return None if shard is None else shard[0]
+
+    def load_shard(self, index: int) -> tuple[list[Sample], float] | None:
+        """Shard `index`'s samples and the seconds its generation took (0 when it did not record them)."""
         if self.path is None:
             return None
         path = self.path / SHARD.format(index)
@@ -726,7 +731,7 @@ class _Folder:
             data = json.loads(path.read_text(encoding="utf-8"))
             if data["index"] != index:
                 raise ValueError(f"it says it is shard {data['index']}")
-            return [_sample_from_json(row) for row in data["samples"]]
+            return [_sample_from_json(row) for row in data["samples"]], float(data.get("seconds") or 0.0)
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.warning(f"{path} cannot be read ({error}): it is generated again.")
             return None
@@ -796,6 +801,7 @@ class SelfText:
     generated_shards: int  # of `shards`, how many this call generated (the rest came from the work folder)
     seconds: float  # this call's generation time
     new_tokens_generated: int  # tokens this call generated
+    shard_seconds: float = 0.0  # the generation time of every shard held, this call's and earlier calls' alike
 
     @property
     def tokens(self) -> int:
@@ -1129,7 +1135,7 @@ def _run(
     context = _Context(model, tokenizer, s, chat)
     samples: list[Sample] = []
     have = generated_shards = new_tokens = 0
-    seconds = 0.0
+    seconds = shard_seconds = 0.0
     bar = tqdm(
         total=tokens,
         initial=0,
@@ -1143,16 +1149,19 @@ def _run(
     index = 0
     try:
         while have < tokens:
-            shard = folder.load(index)
-            if shard is None:
+            loaded = folder.load_shard(index)
+            if loaded is not None:
+                shard, spent = loaded
+            else:
                 started = time.perf_counter()
                 shard = context.generate_shard(index, on_tokens=bar.update)
-                spent = time.perf_counter() - started
+                spent = round(time.perf_counter() - started, 3)  # as the shard file records it
                 folder.save(index, shard, spent)
                 seconds += spent
                 generated_shards += 1
                 new_tokens += sum(x.new_tokens for x in shard)
                 bar.set_postfix(shard=index, new_tok_s=f"{new_tokens / max(seconds, 1e-9):.0f}")
+            shard_seconds += spent
             samples += shard
             have += sum(len(x.ids) for x in shard)
             bar.n = min(have, tokens)
@@ -1162,7 +1171,7 @@ def _run(
             index += 1
     finally:
         bar.close()
-    return SelfText(samples, s, identity, chat, index, generated_shards, seconds, new_tokens)
+    return SelfText(samples, s, identity, chat, index, generated_shards, seconds, new_tokens, shard_seconds)
 
 
 __all__ = [

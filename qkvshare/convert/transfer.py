@@ -48,12 +48,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
 from qkvshare.runtime import available_bytes
 from qkvshare.train.schedule import get_lr
 from qkvshare_settings.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
+
+logger = logging.get_logger(__name__)
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
 ERRORS_FILE = "errors.json"
@@ -466,6 +469,7 @@ def run_stages(
         files.save_errors(record)
         files.save_layer(stage, i, attention[i])
 
+    forget_lost_layers(files, record, layers)
     if "init" not in errors:
         measure("init")
     need_train = (settings.closed_form and "closed_form" not in errors) or (
@@ -488,14 +492,15 @@ def run_stages(
             measure("closed_form")
 
     if settings.steps > 0:
-        started = time.perf_counter()
         bar = tqdm(total=len(layers) * settings.steps, desc="attention transfer", disable=not progress)
         so_far = record["stages"].setdefault("transfer", {})  # filled as layers finish; completed below
         final_losses, best_steps = so_far.setdefault("final_loss", {}), so_far.setdefault("best_step", {})
+        layer_seconds = so_far.setdefault("layer_seconds", {})  # kept over resumed runs (a layer's resumed part)
         for i in layers:
             if files.load_layer("transfer", i, attention[i]):
                 bar.update(settings.steps)
                 continue
+            layer_started = time.perf_counter()
             before = _copy_state(attention[i])
             run = train_layer(attention[i], train, i, settings, files, validation, bar, on_step)
             keep_best("transfer", i, {"unchanged": before, "trained": _copy_state(attention[i])}, attention[i])
@@ -503,6 +508,7 @@ def run_stages(
             if run.losses:
                 final_losses[str(i)] = run.losses[-1]
             best_steps[str(i)] = run.best_step
+            layer_seconds[str(i)] = round(time.perf_counter() - layer_started, 2)
             files.save_errors(record)
         bar.close()
         if "transfer" not in errors:
@@ -510,9 +516,11 @@ def run_stages(
             record["stages"]["transfer"] = asdict(settings) | {
                 "calibration_tokens": int(train.tokens),
                 "tokens_per_layer": tokens,
-                "seconds": round(time.perf_counter() - started, 2),
+                # the layers' own times summed: a conversion resumed in this stage counts each layer's work once
+                "seconds": round(sum(layer_seconds.values()), 2),
                 "final_loss": final_losses,
                 "best_step": best_steps,
+                "layer_seconds": layer_seconds,
             }
             measure("transfer")
     run = [stage for stage, on in zip(STAGES, (True, settings.closed_form, settings.steps > 0)) if on]
@@ -520,6 +528,28 @@ def run_stages(
         "layer_errors": {stage: errors[stage] for stage in run},
         "stages": {s: record["stages"][s] for s in run if s in record["stages"]},
     }
+
+
+def forget_lost_layers(files: StageFiles, record: dict[str, Any], layers: list[int]) -> None:
+    """A stage the work folder's record holds as finished but whose saved layers are not all there (deleted by
+    hand, or a folder copied in part) is fitted again for those layers and measured again, with a warning naming
+    them, instead of being taken as done with nothing to load."""
+    if files.root is None:
+        return
+    for stage in ("closed_form", "transfer"):
+        lost = [i for i in layers if not files.layer_file(stage, i).is_file()]
+        if stage not in record["layer_errors"] or not lost:
+            continue
+        logger.warning(
+            f"the work folder {files.root} holds stage {stage!r} as finished but not the saved layers {lost}: "
+            "they are fitted again."
+        )
+        record["layer_errors"].pop(stage)
+        choices = record.get("choices", {}).get(stage, {})
+        for i in lost:
+            choices.pop(str(i), None)
+        if stage in record.get("not_kept", {}):
+            record["not_kept"][stage] = [i for i in record["not_kept"][stage] if i not in lost]
 
 
 def _copy_state(module: Any) -> dict[str, torch.Tensor]:

@@ -140,6 +140,7 @@ class Run:
     peak_flops: float | None
     lock: OutputDirLock | None  # held by the main process until the run ends
     teacher: Any = None  # --teacher's model (eval mode, no gradients) on this rank's device, or None
+    train_seconds: float = 0.0  # time in training steps, over every resumed part of the run up to its checkpoint
 
     @property
     def global_batch_blocks(self) -> int:
@@ -151,6 +152,7 @@ class Run:
         return {
             "step": step,
             "tokens_seen": self.tokens_seen,
+            "train_seconds": round(self.train_seconds, 3),
             "block_size": self.block_size,
             "global_batch_blocks": self.global_batch_blocks,
             "seed": self.args.train.seed,
@@ -543,10 +545,11 @@ def setup(args: Arguments) -> Run:
         model, optimizer = accelerator.prepare(model, optimizer)
         if teacher is not None:  # not prepared: it takes no gradients, so DDP/FSDP have nothing to synchronise
             teacher = teacher.to(accelerator.device)
-        start_step, tokens_seen = 0, 0
+        start_step, tokens_seen, train_seconds = 0, 0, 0.0
         if saved is not None:
             restore_checkpoint(accelerator, resume_path)
             start_step, tokens_seen = saved["step"], saved["tokens_seen"]
+            train_seconds = saved.get("train_seconds", 0.0)  # absent from checkpoints of earlier versions
         replace_previous_run(accelerator, args, resume_path)
     except BaseException:
         if lock is not None:
@@ -569,6 +572,7 @@ def setup(args: Arguments) -> Run:
         peak_flops_per_device(accelerator.device, t.peak_tflops),
         lock,
         teacher,
+        train_seconds,
     )
 
 
@@ -787,7 +791,9 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
         for step in range(run.start_step, t.max_steps):
             started = time.perf_counter()
             loss, grad_norm = train_step(run, step)
-            window_time += time.perf_counter() - started
+            spent = time.perf_counter() - started
+            window_time += spent
+            run.train_seconds += spent
             window_tokens += run.global_batch_blocks * run.block_size
             window_losses.append(loss)
             done = step + 1
@@ -844,6 +850,9 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
         "val_tokens": final["eval/tokens"],
         "val_kl": final.get("eval/kl"),
         "tokens_per_second": metrics.get("train/tokens_per_second"),
+        # the steps' time over every part of a resumed run (steps redone after a kill counted once)
+        "train_seconds": round(run.train_seconds, 3),
+        "train_tokens_per_second": run.tokens_seen / run.train_seconds if run.train_seconds > 0 else None,
         "mfu": metrics.get("train/mfu"),
         "flops_per_token": run.flops_per_token,
         "variant": run.config.variant,
