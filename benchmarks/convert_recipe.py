@@ -21,7 +21,9 @@ Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
 - `abc` (TEXT): `ab` distilled (stage (c), `--distill_tokens` on the mix's train split), every layer tied;
 - `budgets-abc` (TEXT): each of `--distill_budgets` distilled;
 - `recipe`: the command itself with its defaults, end to end (`qkvshare convert SRC --variant Q-K=V --method
-  transfer`, the default text written once into `--self_text_dir`): the wall time of the whole default recipe.
+  transfer`, the default text written once into `--self_text_dir`): the wall time of the whole default recipe,
+  and each stage's own time summed over every run (making.json's `stage_seconds`), which times a recipe killed
+  and resumed (Ctrl-C, or a session's end) as if it had run once.
 Rows made from the same text share its stages (a) and (b) (one work folder per text), so their wall times are
 the stages they add; `recipe` is timed whole. `--trainable_modules` restricts stage (c)'s training (default: all;
 rows "-attn" for `self_attn`).
