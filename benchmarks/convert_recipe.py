@@ -70,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--validation_tokens", type=int, default=4096)
     p.add_argument("--transfer_steps", type=int, default=300)
     p.add_argument("--distill_tokens", type=int, default=262144)
+    p.add_argument(
+        "--distill_learning_rate", type=float, default=None, help="stage (c)'s peak (default: the command's)"
+    )
     p.add_argument("--trainable_modules", nargs="*", default=None, help="stage (c) trains only these (e.g. self_attn)")
     p.add_argument(
         "--tag",
@@ -114,6 +117,8 @@ class Maker:
             row += f"-by-{self.args.budget_choice}"
         if distilled and self.args.trainable_modules:
             row += "-" + "-".join(m.replace("self_", "") for m in self.args.trainable_modules)
+        if distilled and self.args.distill_learning_rate is not None:
+            row += f"-lr{self.args.distill_learning_rate:g}"
         return row
 
     def done(self, row: str) -> bool:
@@ -141,6 +146,7 @@ class Maker:
             validation_tokens=a.validation_tokens,
             transfer_steps=a.transfer_steps,
             distill_tokens=a.distill_tokens,
+            **({"distill_learning_rate": a.distill_learning_rate} if a.distill_learning_rate is not None else {}),
             overwrite_output_dir=True,
             **extra,
         )
