@@ -253,7 +253,7 @@ class Maker:
 
     def make_recipe(self) -> None:
         from qkvshare.convert import convert_checkpoint
-        from qkvshare.convert.pipeline import TIMED_STAGES
+        from qkvshare.convert.pipeline import TIMED_STAGES, stage_seconds
         from qkvshare_settings.convert import ConvertArgs
 
         if self.done("recipe"):
@@ -276,7 +276,7 @@ class Maker:
             path,
             seconds=time.perf_counter() - started,  # this run's wall time: the whole recipe when not resumed
             # each stage's own time summed over every run of a resumed recipe (loading and measuring left out)
-            stage_seconds={key: stage.get("train_seconds") or stage["seconds"] for key, stage in timed.items()},
+            stage_seconds={key: stage_seconds(stage) for key, stage in timed.items()},
             tokens_per_second={key: stage.get("tokens_per_second") for key, stage in timed.items()},
             tokens=distilled.get("tokens"),
             text=args.calibration_text,

@@ -243,6 +243,11 @@ TIMED_STAGES = (
 )
 
 
+def stage_seconds(stage: dict[str, Any]) -> float | None:
+    """A record stage's own time: stage (c)'s training steps (`train_seconds`) where it has them, else `seconds`."""
+    return stage.get("train_seconds") or stage.get("seconds")
+
+
 def _print_summary(record: ConversionRecord, config: Any, source_config: dict[str, Any], out: Path) -> None:
     before = QKVShareConfig.from_llama(source_config).kv_cache_bytes_per_token()
     lines = [
@@ -280,10 +285,9 @@ def _print_summary(record: ConversionRecord, config: Any, source_config: dict[st
         )
     timed = []
     for key, label in TIMED_STAGES:
-        stage = record.stages.get(key) or {}
-        seconds = stage.get("train_seconds") or stage.get("seconds")
+        seconds = stage_seconds(record.stages.get(key) or {})
         if seconds is not None:
-            rate = stage.get("tokens_per_second")
+            rate = record.stages[key].get("tokens_per_second")
             timed.append(f"{label} {seconds:,.0f} s" + (f" ({rate:,.0f} tokens/s)" if rate else ""))
     if timed:
         lines.append(f"time: {', '.join(timed)}; this run {record.seconds:,.0f} s in all")
