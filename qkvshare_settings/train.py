@@ -212,10 +212,26 @@ class DistillSettings:
     eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
     seed: int = 0
     trainable_modules: list[str] | None = None  # train only these parameters (`--trainable_modules`); None: all
+    # blocks per forward/backward pass: a step accumulates batch_size / micro_batch_size of them (the same blocks and,
+    # up to rounding, the same update, in less memory); None: the whole batch at once
+    micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        micro = self.micro_batch_size
+        if micro is not None and (micro < 1 or self.batch_size % micro):
+            raise ValueError(
+                f"DistillSettings.micro_batch_size={micro}: a divisor of batch_size ({self.batch_size}), or None for "
+                "the whole batch at once."
+            )
 
     @property
     def steps(self) -> int:
         return max(1, math.ceil(self.tokens / (self.batch_size * self.block_size)))
+
+    @property
+    def accumulation(self) -> int:
+        """Forward/backward passes per step."""
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
 
 
 def distill_arguments(
@@ -239,7 +255,8 @@ def distill_arguments(
         overwrite_output_dir=Path(output_dir).exists() and not resume,
         resume_from_checkpoint="latest" if resume else None,
         max_steps=s.steps,
-        per_device_train_batch_size=s.batch_size,
+        per_device_train_batch_size=s.batch_size // s.accumulation,
+        gradient_accumulation_steps=s.accumulation,
         learning_rate=s.learning_rate,
         warmup_steps=min(s.warmup_steps, s.steps),
         weight_decay=0.0,

@@ -87,6 +87,29 @@ def test_distillation_from_a_teacher_lowers_the_kl(source_dir, corpus, tmp_path)
     assert 0 < metrics["val_kl"] < before
 
 
+def test_distillation_in_micro_batches_with_the_teacher_in_memory_matches_the_whole_batch(source_dir, corpus, tmp_path):
+    """Stage (c) runs a step's blocks in micro-batches when memory is short, with the source it already holds as
+    teacher: the same blocks, the same update (to float rounding) as one pass of the whole batch read from disk."""
+    from qkvshare.train.distill import distill
+    from qkvshare_settings.train import DistillSettings
+
+    source = LlamaForCausalLM.from_pretrained(source_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source_dir)
+    model, record = convert(source, "Q-K=V", "key")
+    converted = tmp_path / "converted"
+    save_converted(model, record, converted, tokenizer)
+    settings = DistillSettings(tokens=4 * 4 * 32, batch_size=4, block_size=32, learning_rate=1e-2, eval_blocks=4)
+    whole = distill(converted, source_dir, corpus, corpus, tmp_path / "whole", settings)
+    micro = replace(settings, micro_batch_size=1)
+    parts = distill(converted, source_dir, corpus, corpus, tmp_path / "micro", micro, teacher_model=source)
+    assert whole["tokens_seen"] == parts["tokens_seen"] == 512
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / run).state_dict() for run in ("whole", "micro"))
+    start = AutoModelForCausalLM.from_pretrained(converted).state_dict()
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
+    assert moved > 1e-3 and all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a), moved
+    assert parts["val_kl"] == pytest.approx(whole["val_kl"], rel=1e-4)
+
+
 def test_distillation_bad_inputs_are_refused_before_training(source_dir, corpus, tmp_path, capsys):
     converted = tmp_path / "converted"
     save_converted(*convert(LlamaForCausalLM.from_pretrained(source_dir), "Q-K=V", "key"), converted)
@@ -419,6 +442,40 @@ def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
     assert "hold the source's attention inputs and outputs of every layer in float32" in err, err
     assert "(2 layers x hidden 64 x 8 bytes a token)" in err and "Lower --calibration_tokens" in err, err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_cli_transfer_refuses_a_distillation_that_would_not_fit_in_memory(
+    source_dir, corpus, tmp_path, capsys, monkeypatch
+):
+    """Stage (c) on Qwen2.5-0.5B was killed for memory after the source's text and stages (a)-(b) had run: its memory
+    is now checked with everything else, before any work."""
+    import qkvshare_cli
+    from qkvshare.convert import distill
+
+    monkeypatch.setattr(distill, "available_bytes", lambda: 1_000_000)
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "out", "--distill_tokens", "256")) == 2
+    err = capsys.readouterr().err
+    assert "stage (c) (--distill_tokens 256) needs about" in err and "even one block of 32 tokens at a time" in err
+    assert "of the 0.0 GiB available now. Convert with --distill_tokens 0" in err, err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_distillation_memory_picks_the_largest_micro_batch_that_fits(monkeypatch):
+    from qkvshare import QKVShareConfig
+    from qkvshare.convert import distill
+    from qkvshare_settings.train import DistillSettings
+
+    config = QKVShareConfig.from_llama(llama(layers=3).config, "Q-K=V")
+    settings = DistillSettings(tokens=4096, batch_size=4, block_size=32)
+    need = {m: distill.distill_memory(config, settings, m, teacher=False) for m in (1, 2, 3, 4)}
+    assert need[1] < need[2] < need[4] and need[4] - need[2] == 2 * (need[2] - need[1])  # linear in a pass's blocks
+    for free, micro in ((need[4] / 0.8, 4), (need[3] / 0.8, 2), (need[2] / 0.8, 2), (1, 1)):
+        monkeypatch.setattr(distill, "available_bytes", lambda free=free: int(free) + 1)
+        chosen = distill.fit_micro_batch(config, settings, teacher_loaded=True)
+        assert chosen.micro_batch_size == micro and chosen.accumulation == 4 // micro
+    assert distill.fit_micro_batch(config, replace(settings, micro_batch_size=4), True).micro_batch_size == 4
+    with pytest.raises(ValueError, match=r"micro_batch_size=3: a divisor of batch_size \(4\)"):
+        DistillSettings(batch_size=4, micro_batch_size=3)
 
 
 def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, corpus, tmp_path, monkeypatch):

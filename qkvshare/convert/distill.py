@@ -10,13 +10,21 @@ finished it reuses the run's final model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from qkvshare.runtime import available_bytes
 from qkvshare.train.distill import distill
+from qkvshare.train.pretrain import trained_names
 from qkvshare_settings.train import DistillSettings
+
+MEMORY_SHARE = 0.8  # of the memory available, what stage (c) may plan to use
+LOGIT_COPIES = 6  # block x vocab tensors alive at the loss: both logits, both log-softmaxes, the KL's terms, a gradient
 
 
 def write_text_file(path: Path, texts: Iterable[str], tokenizer: Any, tokens: int) -> int:
@@ -34,6 +42,54 @@ def write_text_file(path: Path, texts: Iterable[str], tokenizer: Any, tokens: in
     return count
 
 
+def distill_memory(config: Any, settings: DistillSettings, micro_batch: int, teacher: bool = True) -> int:
+    """Estimated peak bytes of stage (c) on `config`'s model in float32, `micro_batch` blocks per forward/backward
+    pass: the student's weights, the gradients and AdamW's two states of what it trains, the teacher's weights (about
+    the student's; `teacher=False` when it is loaded already), and per token of the micro-batch the logits at the loss
+    (`LOGIT_COPIES` x vocab) and the activations the backward pass keeps (per layer about 10 x hidden, 2 x key/value
+    width, 4 x intermediate and the heads' attention row)."""
+    from qkvshare import QKVShareForCausalLM
+
+    with torch.device("meta"):
+        names = dict(QKVShareForCausalLM(config).named_parameters())
+    weights = sum(p.numel() for p in names.values())
+    trained = sum(names[n].numel() for n in trained_names(list(names), settings.trainable_modules))
+    kv_width = config.num_key_value_heads * config.head_dim
+    per_layer = 10 * config.hidden_size + 2 * kv_width + 4 * config.intermediate_size
+    per_layer += config.num_attention_heads * settings.block_size
+    per_token = LOGIT_COPIES * config.vocab_size + config.num_hidden_layers * per_layer
+    tokens = micro_batch * settings.block_size
+    return 4 * (weights * (2 if teacher else 1) + 3 * trained + tokens * per_token)
+
+
+def fit_micro_batch(config: Any, settings: DistillSettings, teacher_loaded: bool) -> DistillSettings:
+    """`settings` with the largest micro-batch (a divisor of its batch) whose `distill_memory` fits `MEMORY_SHARE` of
+    the memory available now; one block when none does. A micro-batch set by the caller is kept."""
+    free = available_bytes()
+    if settings.micro_batch_size is not None or free is None:
+        return settings
+    for micro in range(settings.batch_size, 0, -1):
+        fits = distill_memory(config, settings, micro, teacher=not teacher_loaded) <= MEMORY_SHARE * free
+        if settings.batch_size % micro == 0 and (fits or micro == 1):
+            return dataclasses.replace(settings, micro_batch_size=micro)
+    return settings
+
+
+def check_distill_memory(config: Any, settings: DistillSettings) -> None:
+    """A `ValueError` before any work when stage (c) would not fit in memory even one block at a time."""
+    free = available_bytes()
+    need = distill_memory(config, settings, 1)
+    if free is not None and need > MEMORY_SHARE * free:
+        raise ValueError(
+            f"stage (c) (--distill_tokens {settings.tokens}) needs about {need / 2**30:.1f} GiB of memory even one "
+            f"block of {settings.block_size} tokens at a time (the model's weights, its gradients and optimizer "
+            f"states, the source as teacher, one block's logits and activations): more than "
+            f"{MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB available now. Convert with --distill_tokens 0 (stages "
+            "(a) and (b) only) and distil on a larger machine with `qkvshare train --init_from OUT --teacher SRC`, "
+            "or free memory."
+        )
+
+
 def run_distillation(
     model_dir: Path,
     teacher: str,
@@ -42,10 +98,13 @@ def run_distillation(
     tokenizer: Any,
     work: Path,
     settings: DistillSettings,
+    teacher_model: Any = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Stage (c): distil the model saved in `model_dir` from `teacher`, in `work/distill`. Returns the directory
     of the distilled model and the run's final metrics; raises what `qkvshare.train.distill` raises when the run
-    stops (the conversion is then resumable)."""
+    stops (the conversion is then resumable). `teacher_model`: the teacher already in memory (not loaded again).
+    Without a micro-batch in `settings`, each step runs in the largest micro-batches that fit the memory available
+    (`fit_micro_batch`): the same blocks and update, in several forward/backward passes where memory is short."""
     out = work / "distill"
     metrics_file = out / "final_metrics.json"
     if metrics_file.is_file():  # finished by an earlier run of this conversion
@@ -56,4 +115,13 @@ def run_distillation(
         write_text_file(train_file, train_texts, tokenizer, settings.tokens)
     if not validation_file.is_file():
         write_text_file(validation_file, validation_texts, tokenizer, settings.eval_blocks * settings.block_size)
-    return out, distill(model_dir, teacher, train_file, validation_file, out, settings)
+    from qkvshare import QKVShareConfig
+
+    settings = fit_micro_batch(QKVShareConfig.from_pretrained(model_dir), settings, teacher_model is not None)
+    if settings.accumulation > 1:
+        print(
+            f"stage (c): {settings.accumulation} passes of {settings.micro_batch_size} block(s) a step, to fit the "
+            f"{available_bytes() / 2**30:.1f} GiB of memory available",
+            flush=True,
+        )
+    return out, distill(model_dir, teacher, train_file, validation_file, out, settings, teacher_model)

@@ -17,7 +17,7 @@ from qkvshare.convert import io as files
 from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
-from qkvshare.convert.distill import run_distillation
+from qkvshare.convert.distill import check_distill_memory, run_distillation
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
 from qkvshare.convert.transfer import TransferSettings, check_activation_memory, measure_layer_errors
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
@@ -58,6 +58,8 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         )
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
+        if args.distill_tokens > 0:
+            check_distill_memory(config, distill_settings(args))
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None
     writes_text = text is not None and "self" in text.sources
@@ -92,7 +94,9 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     if writes_text:
         record.stages = {"self_text": self_text_stage(text.self_text)} | record.stages
     if method == "transfer" and args.distill_tokens > 0:
-        model = distil(args, source, model, record, tokenizer, text, validation, work)
+        stage_model = save_stage_model(model, record, tokenizer, work)
+        del model  # stage (c) trains the saved copy: the converted model need not stay in memory beside it
+        model = distil(args, source, stage_model, record, tokenizer, text, validation, work)
     record.seconds = round(time.perf_counter() - started, 2)
     files.publish(lambda folder: files.save_converted(model, record, folder, tokenizer, args.dtype), out)
     if work is not None:
@@ -168,22 +172,27 @@ def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
     return work
 
 
+def save_stage_model(model: Any, record: ConversionRecord, tokenizer: Any, work: Path) -> Path:
+    """The model of stages (a)-(b), saved once in the work folder for stage (c) to train."""
+    stage_model = work / "stage-model"
+    if not (stage_model / RECORD_FILE).is_file():  # written last: the folder is complete
+        files.save_converted(model, record, stage_model, tokenizer)
+    return stage_model
+
+
 def distil(
     args: ConvertArgs,
     source: Any,
-    model: Any,
+    stage_model: Path,
     record: ConversionRecord,
     tokenizer: Any,
     text: CalibrationText,
     validation: Any,
     work: Path,
 ) -> Any:
-    """Stage (c): save the model of stages (a)-(b), distil it from SRC on the calibration text's train split
-    (`qkvshare.train.distill`) in the work folder, and record its errors, KL divergence, tokens and time. Returns the
-    distilled model."""
-    stage_model = work / "stage-model"
-    if not (stage_model / RECORD_FILE).is_file():  # written last: the folder is complete
-        files.save_converted(model, record, stage_model, tokenizer)
+    """Stage (c): distil the model of stages (a)-(b) saved in `stage_model` from the source (in memory, its teacher)
+    on the calibration text's train split (`qkvshare.train.distill`) in the work folder, and record its errors, KL
+    divergence, tokens and time. Returns the distilled model."""
     started = time.perf_counter()
     settings = distill_settings(args)
     try:
@@ -195,6 +204,7 @@ def distil(
             tokenizer,
             work,
             settings,
+            teacher_model=source,
         )
     except CommandStopped as err:
         raise DistillationStopped(

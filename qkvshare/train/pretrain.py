@@ -464,11 +464,16 @@ def build_model(args: Arguments, config: QKVShareConfig) -> QKVShareForCausalLM:
     return model
 
 
+def trained_names(names: list[str], patterns: list[str] | None) -> list[str]:
+    """The parameter names --trainable_modules `patterns` trains: those containing one of them (None: every name)."""
+    return list(names) if patterns is None else [name for name in names if any(p in name for p in patterns)]
+
+
 def freeze_all_but(model: torch.nn.Module, patterns: list[str]) -> None:
     """Train only the parameters whose names contain one of `patterns`: the rest take no gradient and no optimizer
     state (their activations' gradients still flow). A `TrainingSetupError` when no parameter matches."""
     names = [name for name, _ in model.named_parameters()]
-    trained = [name for name in names if any(p in name for p in patterns)]
+    trained = trained_names(names, patterns)
     if not trained:
         raise TrainingSetupError(
             f"--trainable_modules {' '.join(patterns)} matches no parameter of the model; its parameters are named "
@@ -502,9 +507,10 @@ def replace_previous_run(accelerator: Any, args: Arguments, resume_path: Path | 
     accelerator.wait_for_everyone()
 
 
-def setup(args: Arguments) -> Run:
+def setup(args: Arguments, teacher_model: Any = None) -> Run:
     """Check the arguments, load data and tokenizer, build model and optimizer, restore a checkpoint, and only
-    then clear a previous run (--overwrite_output_dir). The returned run holds the output directory's lock."""
+    then clear a previous run (--overwrite_output_dir). The returned run holds the output directory's lock.
+    `teacher_model`: --teacher's model already in memory (frozen, eval mode), used instead of loading it again."""
     check_args(args)  # again: arguments built in code have not been through `parse_args`
     check_flash_attention(args.model.attn_implementation)
     config, overrides, block_size = build_model_config(args)  # a bad variant or override: nothing written yet
@@ -539,7 +545,9 @@ def setup(args: Arguments) -> Run:
         )
 
         model = build_model(args, config)
-        teacher = load_teacher(m.teacher, config, tokenizer) if m.teacher else None
+        teacher = teacher_model
+        if teacher is None and m.teacher:
+            teacher = load_teacher(m.teacher, config, tokenizer)
         fpt = flops_per_token(model, config, block_size)
         optimizer = build_optimizer(model, args)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -761,10 +769,13 @@ class StopRequest:
         return max_over_ranks(accelerator, self.signum)
 
 
-def train(args: Arguments, on_step: Callable[[int, float, Any], None] | None = None) -> dict[str, Any]:
+def train(
+    args: Arguments, on_step: Callable[[int, float, Any], None] | None = None, teacher_model: Any = None
+) -> dict[str, Any]:
     """Run the whole pretraining and return the final metrics. `on_step(step, loss, model)` is a test hook called
-    after each optimizer step (and its checkpoint, if any)."""
-    run = setup(args)
+    after each optimizer step (and its checkpoint, if any); `teacher_model` is --teacher's model when the caller
+    holds it already (`setup`)."""
+    run = setup(args, teacher_model)
     try:
         return _train(run, on_step)
     finally:
