@@ -247,6 +247,7 @@ class Maker:
             self.tokenizer,
             work,
             settings,
+            teacher_model=self.source,  # the source it holds: not loaded a second time
         )
         seconds = time.perf_counter() - started
         self.finish(row, folder, seconds=seconds, tokens=metrics["tokens_seen"], budget=budget, **extra)
