@@ -28,6 +28,9 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+MEMORY_SHARE = 0.8  # of the memory available (`available_bytes`), what one piece of work may plan to use
+
+
 def available_bytes() -> int | None:
     """The memory the system can give a process now: MemAvailable from /proc/meminfo (None where there is none)."""
     try:

@@ -87,9 +87,12 @@ def test_distillation_from_a_teacher_lowers_the_kl(source_dir, corpus, tmp_path)
     assert 0 < metrics["val_kl"] < before
 
 
-def test_distillation_in_micro_batches_with_the_teacher_in_memory_matches_the_whole_batch(source_dir, corpus, tmp_path):
+def test_distillation_in_micro_batches_with_the_teacher_in_memory_matches_the_whole_batch(
+    source_dir, corpus, tmp_path, monkeypatch
+):
     """Stage (c) runs a step's blocks in micro-batches when memory is short, with the source it already holds as
     teacher: the same blocks, the same update (to float rounding) as one pass of the whole batch read from disk."""
+    from qkvshare.train import pretrain
     from qkvshare.train.distill import distill
     from qkvshare_settings.train import DistillSettings
 
@@ -101,7 +104,19 @@ def test_distillation_in_micro_batches_with_the_teacher_in_memory_matches_the_wh
     settings = DistillSettings(tokens=4 * 4 * 32, batch_size=4, block_size=32, learning_rate=1e-2, eval_blocks=4)
     whole = distill(converted, source_dir, corpus, corpus, tmp_path / "whole", settings)
     micro = replace(settings, micro_batch_size=1)
+    passes, train_loss = [], pretrain.train_loss
+
+    def counted(run, blocks):
+        passes.append(blocks.shape[0])
+        return train_loss(run, blocks)
+
+    def no_second_copy(*args):
+        raise AssertionError("the teacher in memory was loaded again")
+
+    monkeypatch.setattr(pretrain, "train_loss", counted)
+    monkeypatch.setattr(pretrain, "load_teacher", no_second_copy)
     parts = distill(converted, source_dir, corpus, corpus, tmp_path / "micro", micro, teacher_model=source)
+    assert passes == [1] * 16  # 4 steps of 4 passes of one block
     assert whole["tokens_seen"] == parts["tokens_seen"] == 512
     a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / run).state_dict() for run in ("whole", "micro"))
     start = AutoModelForCausalLM.from_pretrained(converted).state_dict()
@@ -322,9 +337,14 @@ def test_cli_transfer_with_a_cache_budget_and_no_distillation_prints_its_summary
     assert "error (distill)" not in printed and "error (converted): " in printed
 
 
-def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, tmp_path, capsys):
+def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, tmp_path, capsys, monkeypatch):
     import qkvshare_cli
+    from qkvshare.train import pretrain
 
+    def no_second_copy(*args):
+        raise AssertionError("stage (c) loaded the source again as its teacher")
+
+    monkeypatch.setattr(pretrain, "load_teacher", no_second_copy)
     out = tmp_path / "out"
     argv = convert_argv(source_dir, corpus, out, "--cache_budget", "0.75", "--distill_tokens", "256")
     assert qkvshare_cli.main(argv) == 0
@@ -460,7 +480,7 @@ def test_cli_transfer_refuses_a_distillation_that_would_not_fit_in_memory(
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
-def test_distillation_memory_picks_the_largest_micro_batch_that_fits(monkeypatch):
+def test_distillation_memory_picks_the_largest_micro_batch_that_fits():
     from qkvshare import QKVShareConfig
     from qkvshare.convert import distill
     from qkvshare_settings.train import DistillSettings
@@ -470,10 +490,10 @@ def test_distillation_memory_picks_the_largest_micro_batch_that_fits(monkeypatch
     need = {m: distill.distill_memory(config, settings, m, teacher=False) for m in (1, 2, 3, 4)}
     assert need[1] < need[2] < need[4] and need[4] - need[2] == 2 * (need[2] - need[1])  # linear in a pass's blocks
     for free, micro in ((need[4] / 0.8, 4), (need[3] / 0.8, 2), (need[2] / 0.8, 2), (1, 1)):
-        monkeypatch.setattr(distill, "available_bytes", lambda free=free: int(free) + 1)
-        chosen = distill.fit_micro_batch(config, settings, teacher_loaded=True)
+        chosen = distill.fit_micro_batch(config, settings, teacher_loaded=True, free=int(free) + 1)
         assert chosen.micro_batch_size == micro and chosen.accumulation == 4 // micro
-    assert distill.fit_micro_batch(config, replace(settings, micro_batch_size=4), True).micro_batch_size == 4
+    assert distill.fit_micro_batch(config, replace(settings, micro_batch_size=4), True, 1).micro_batch_size == 4
+    assert distill.fit_micro_batch(config, settings, True, None).micro_batch_size is None  # memory unknown
     with pytest.raises(ValueError, match=r"micro_batch_size=3: a divisor of batch_size \(4\)"):
         DistillSettings(batch_size=4, micro_batch_size=3)
 

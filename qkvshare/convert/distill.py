@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from qkvshare.runtime import available_bytes
+from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.runtime import MEMORY_SHARE, available_bytes
 from qkvshare.train.distill import distill
 from qkvshare.train.pretrain import trained_names
 from qkvshare_settings.train import DistillSettings
 
-MEMORY_SHARE = 0.8  # of the memory available, what stage (c) may plan to use
 LOGIT_COPIES = 6  # block x vocab tensors alive at the loss: both logits, both log-softmaxes, the KL's terms, a gradient
 
 
@@ -42,14 +42,8 @@ def write_text_file(path: Path, texts: Iterable[str], tokenizer: Any, tokens: in
     return count
 
 
-def distill_memory(config: Any, settings: DistillSettings, micro_batch: int, teacher: bool = True) -> int:
-    """Estimated peak bytes of stage (c) on `config`'s model in float32, `micro_batch` blocks per forward/backward
-    pass: the student's weights, the gradients and AdamW's two states of what it trains, the teacher's weights (about
-    the student's; `teacher=False` when it is loaded already), and per token of the micro-batch the logits at the loss
-    (`LOGIT_COPIES` x vocab) and the activations the backward pass keeps (per layer about 10 x hidden, 2 x key/value
-    width, 4 x intermediate and the heads' attention row)."""
-    from qkvshare import QKVShareForCausalLM
-
+def _memory_terms(config: Any, settings: DistillSettings, teacher: bool) -> tuple[int, int]:
+    """`distill_memory`'s (bytes whatever the micro-batch, bytes per block of a pass)."""
     with torch.device("meta"):
         names = dict(QKVShareForCausalLM(config).named_parameters())
     weights = sum(p.numel() for p in names.values())
@@ -58,21 +52,28 @@ def distill_memory(config: Any, settings: DistillSettings, micro_batch: int, tea
     per_layer = 10 * config.hidden_size + 2 * kv_width + 4 * config.intermediate_size
     per_layer += config.num_attention_heads * settings.block_size
     per_token = LOGIT_COPIES * config.vocab_size + config.num_hidden_layers * per_layer
-    tokens = micro_batch * settings.block_size
-    return 4 * (weights * (2 if teacher else 1) + 3 * trained + tokens * per_token)
+    return 4 * (weights * (2 if teacher else 1) + 3 * trained), 4 * settings.block_size * per_token
 
 
-def fit_micro_batch(config: Any, settings: DistillSettings, teacher_loaded: bool) -> DistillSettings:
+def distill_memory(config: Any, settings: DistillSettings, micro_batch: int, teacher: bool = True) -> int:
+    """Estimated peak bytes of stage (c) on `config`'s model in float32, `micro_batch` blocks per forward/backward
+    pass: the student's weights, the gradients and AdamW's two states of what it trains, the teacher's weights (about
+    the student's; `teacher=False` when it is loaded already), and per token of the micro-batch the logits at the loss
+    (`LOGIT_COPIES` x vocab) and the activations the backward pass keeps (per layer about 10 x hidden, 2 x key/value
+    width, 4 x intermediate and the heads' attention row)."""
+    fixed, per_block = _memory_terms(config, settings, teacher)
+    return fixed + micro_batch * per_block
+
+
+def fit_micro_batch(config: Any, settings: DistillSettings, teacher_loaded: bool, free: int | None) -> DistillSettings:
     """`settings` with the largest micro-batch (a divisor of its batch) whose `distill_memory` fits `MEMORY_SHARE` of
-    the memory available now; one block when none does. A micro-batch set by the caller is kept."""
-    free = available_bytes()
+    `free` bytes; one block when none does. A micro-batch set by the caller, or `free` unknown (None), is kept."""
     if settings.micro_batch_size is not None or free is None:
         return settings
-    for micro in range(settings.batch_size, 0, -1):
-        fits = distill_memory(config, settings, micro, teacher=not teacher_loaded) <= MEMORY_SHARE * free
-        if settings.batch_size % micro == 0 and (fits or micro == 1):
-            return dataclasses.replace(settings, micro_batch_size=micro)
-    return settings
+    fixed, per_block = _memory_terms(config, settings, teacher=not teacher_loaded)
+    divisors = [m for m in range(settings.batch_size, 1, -1) if settings.batch_size % m == 0]
+    micro = next((m for m in divisors if fixed + m * per_block <= MEMORY_SHARE * free), 1)
+    return dataclasses.replace(settings, micro_batch_size=micro)
 
 
 def check_distill_memory(config: Any, settings: DistillSettings) -> None:
@@ -115,13 +116,12 @@ def run_distillation(
         write_text_file(train_file, train_texts, tokenizer, settings.tokens)
     if not validation_file.is_file():
         write_text_file(validation_file, validation_texts, tokenizer, settings.eval_blocks * settings.block_size)
-    from qkvshare import QKVShareConfig
-
-    settings = fit_micro_batch(QKVShareConfig.from_pretrained(model_dir), settings, teacher_model is not None)
+    free = available_bytes()
+    settings = fit_micro_batch(QKVShareConfig.from_pretrained(model_dir), settings, teacher_model is not None, free)
     if settings.accumulation > 1:
         print(
             f"stage (c): {settings.accumulation} passes of {settings.micro_batch_size} block(s) a step, to fit the "
-            f"{available_bytes() / 2**30:.1f} GiB of memory available",
+            f"{free / 2**30:.1f} GiB of memory available",
             flush=True,
         )
     return out, distill(model_dir, teacher, train_file, validation_file, out, settings, teacher_model)

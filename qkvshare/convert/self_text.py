@@ -101,7 +101,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from qkvshare.convert.calibration import calibration_ids
-from qkvshare.runtime import available_bytes, free_bytes
+from qkvshare.runtime import MEMORY_SHARE, available_bytes, free_bytes
 
 logger = logging.get_logger(__name__)
 
@@ -119,7 +119,6 @@ NUCLEUS_CANDIDATES = 256  # the most likely tokens in which the nucleus is looke
 PROBE_STEPS = 6  # decode steps `estimate_self_text` times
 PROBE_PROMPTS = 8  # chat prompts whose prefill it times
 LONG_CONTEXT_FACTOR = 1.3  # a decode step over a whole sample's context against one at the probe's (measured: 1.x)
-MEMORY_SHARE = 0.8  # of MemAvailable a generation may plan to use
 TEXT_BYTES_PER_TOKEN = 80  # a token held in memory: its id in a list, its share of the decoded text, the encodings
 DISK_BYTES_PER_TOKEN = 16  # a token in a shard file: its id in JSON and its share of the text
 

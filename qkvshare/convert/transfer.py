@@ -52,7 +52,7 @@ from transformers.utils import logging
 
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
-from qkvshare.runtime import available_bytes
+from qkvshare.runtime import MEMORY_SHARE, available_bytes
 from qkvshare.train.schedule import get_lr
 from qkvshare_settings.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
 
@@ -147,13 +147,13 @@ def check_activation_memory(config: Any, calibration_tokens: int, validation_tok
     """A `ValueError` before any work when stages (a)/(b)'s stored activations would not fit in memory."""
     need = activation_bytes(config, calibration_tokens + validation_tokens)
     free = available_bytes()
-    if free is not None and need > 0.8 * free:
+    if free is not None and need > MEMORY_SHARE * free:
         raise ValueError(
             f"--calibration_tokens {calibration_tokens} and --validation_tokens {validation_tokens} make the transfer "
             f"stages hold the source's attention inputs and outputs of every layer in float32: {need / 2**30:.1f} GiB "
             f"for this model ({config.num_hidden_layers} layers x hidden {config.hidden_size} x 8 bytes a token), "
-            f"more than 80% of the {free / 2**30:.1f} GiB of memory available now. Lower --calibration_tokens (at most "
-            f"about {max(0, int(0.8 * free / activation_bytes(config, 1)) - validation_tokens)} here) or free memory."
+            f"more than {MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB of memory available now. Lower --calibration_tokens (at most "
+            f"about {max(0, int(MEMORY_SHARE * free / activation_bytes(config, 1)) - validation_tokens)} here) or free memory."
         )
 
 
