@@ -365,9 +365,12 @@ def test_extras_match_pyproject():
         assert names(extras[extra]) == set(modules.values()), extra
     assert extras["all"] == ["qkvshare[train,eval,plots]"]
     assert (
-        names(extras["dev"]) == {"qkvshare", "pytest", "pytest-xdist", "ruff", "import-linter", "peft"}
+        names(extras["dev"]) == {"qkvshare", "pytest", "pytest-xdist", "ruff", "import-linter", "peft", "transformers"}
         and "qkvshare[all]" in extras["dev"]
     )
+    from qkvshare.compat_qkvshare import TESTED_TRANSFORMERS
+
+    assert f"transformers{TESTED_TRANSFORMERS}" in extras["dev"]  # the tests run on the tested release range
     assert names(PYPROJECT["project"]["dependencies"]) == {"torch", "transformers", "safetensors"}
     for name, command in COMMANDS.items():
         assert set(command.extras) <= set(EXTRAS), name
