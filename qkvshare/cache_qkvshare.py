@@ -844,11 +844,14 @@ class QKVShareCacheMixin:
         for layer in self.position_layers.values():
             layer.batch_select_indices(indices)
 
-    def activate_past_recording(self) -> None:
-        super().activate_past_recording()
+    def activate_past_recording(self, **kwargs) -> None:
+        # Follows transformers' `Cache.activate_past_recording`: since 5.25 generate() passes options
+        # (`recurrent_states_to_keep`, for transformers' linear-attention layers), which go on to the layers as there;
+        # 5.24 passes none.
+        super().activate_past_recording(**kwargs)
         for layer in self.position_layers.values():
             if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+                layer.activate_past_recording(**kwargs)
 
     def early_initialization(
         self,

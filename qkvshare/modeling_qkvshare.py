@@ -623,6 +623,8 @@ class QKVShareForCausalLM(QKVSharePreTrainedModel, ContinuousBatchingMixin, Gene
             cache = self.tied_cache_for_generation(generation_config, max_cache_length)
             if cache is not None:
                 if generation_config.is_assistant:
+                    # As transformers marks an assistant's new cache; 5.25 also passes `recurrent_states_to_keep`,
+                    # which only its own linear-attention layers read (a QKVShare cache has none of them).
                     cache.activate_past_recording()
                 model_kwargs["cache"] = cache
                 return
