@@ -42,7 +42,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.generation.continuous_batching.utils import logger as continuous_batching_logger
 
 # The transformers releases QKVShare was tested with (its CI pins one of them).
-TESTED_TRANSFORMERS = ">=5.24,<5.25"
+TESTED_TRANSFORMERS = ">=5.24,<5.26"
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def test_a_moved_or_resigned_symbol_is_named_with_its_use_and_the_fix():
     gone = PrivateSymbol("transformers.generation.utils:GenerationMixin._no_such_method", "overridden by X", ())
     message = symbol_problem(gone)
     assert "GenerationMixin._no_such_method (overridden by X) is gone (AttributeError" in message
-    assert "QKVShare was tested with transformers>=5.24,<5.25" in message and "compat_qkvshare.py" in message
+    assert "QKVShare was tested with transformers>=5.24,<5.26" in message and "compat_qkvshare.py" in message
     resigned = PrivateSymbol(
         "transformers.generation.utils:GenerationMixin._prepare_cache_for_generation", "overridden by Y", ("config",)
     )

@@ -241,8 +241,8 @@ def test_what_the_paged_cache_cannot_serve_is_refused_before_any_work(variant, o
 
 def test_other_transformers_versions_are_refused_with_the_tested_range(monkeypatch):
     model = tiny_lm("Q-K=V")
-    monkeypatch.setattr(paged_cache_qkvshare.transformers, "__version__", "5.25.0")
-    with pytest.raises(ValueError, match=f"tested with transformers{TESTED_TRANSFORMERS}, but 5.25.0 is installed"):
+    monkeypatch.setattr(paged_cache_qkvshare.transformers, "__version__", "5.26.0")  # the first release past the range
+    with pytest.raises(ValueError, match=f"tested with transformers{TESTED_TRANSFORMERS}, but 5.26.0 is installed"):
         model.generate_batch(
             [[3, 4, 5]], generation_config=GenerationConfig(**GREEDY), continuous_batching_config=batching_config()
         )

@@ -573,7 +573,7 @@ def test_another_transformers_version_serves_one_at_a_time_and_refuses_batching(
     out, err = capsys.readouterr()
     assert served == [8123] and "KV cache: " in out and "warning" not in err
     assert cli(["serve", str(model_dir), "--device", "cpu", "--continuous_batching"]) == 2
-    assert "tested with transformers>=5.24,<5.25, but 5.99.0 is installed" in capsys.readouterr().err
+    assert "tested with transformers>=5.24,<5.26, but 5.99.0 is installed" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_directory_or_flags_it_cannot_serve(tmp_path, model_dir, capsys):
