@@ -82,6 +82,20 @@ def test_same_seed_same_text_other_seed_other_text(model, tokenizer):
     assert ids_of(small) == ids_of(first)[: len(small.samples)]
 
 
+
+def test_the_progress_bar_counts_up_to_the_tokens_asked_for(model, tokenizer, monkeypatch):
+    shown = []
+
+    class Recording(self_text.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            shown.append(self.n)
+
+    monkeypatch.setattr(self_text, "tqdm", Recording)
+    result = generate_self_text(model, tokenizer, SelfTextSettings(seed=2, **FAST), None, 30, progress=True)
+    # the one shard writes more than 30 tokens; the bar stops at 30 (past its total, tqdm drops the bar and the %)
+    assert result.tokens > 30 and shown and max(shown) == 30
+
 def test_resume_after_a_kill_equals_an_uninterrupted_run(model, tokenizer, tmp_path):
     settings = SelfTextSettings(seed=1, chat_fraction=0.5, **FAST)
     whole = generate_self_text(model, tokenizer, settings, tmp_path / "whole", 600, progress=False)

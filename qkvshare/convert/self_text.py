@@ -1153,7 +1153,8 @@ def _run(
                 shard, spent = loaded
             else:
                 started = time.perf_counter()
-                shard = context.generate_shard(index, on_tokens=bar.update)
+                # the last shard may write past the total: the bar stops there (a bar past 100% loses its format)
+                shard = context.generate_shard(index, on_tokens=lambda n: bar.update(min(n, tokens - bar.n)))
                 spent = round(time.perf_counter() - started, 3)  # as the shard file records it
                 folder.save(index, shard, spent)
                 seconds += spent
