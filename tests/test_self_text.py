@@ -82,7 +82,6 @@ def test_same_seed_same_text_other_seed_other_text(model, tokenizer):
     assert ids_of(small) == ids_of(first)[: len(small.samples)]
 
 
-
 def test_the_progress_bar_counts_up_to_the_tokens_asked_for(model, tokenizer, monkeypatch):
     shown = []
 
@@ -95,6 +94,7 @@ def test_the_progress_bar_counts_up_to_the_tokens_asked_for(model, tokenizer, mo
     result = generate_self_text(model, tokenizer, SelfTextSettings(seed=2, **FAST), None, 30, progress=True)
     # the one shard writes more than 30 tokens; the bar stops at 30 (past its total, tqdm drops the bar and the %)
     assert result.tokens > 30 and shown and max(shown) == 30
+
 
 def test_resume_after_a_kill_equals_an_uninterrupted_run(model, tokenizer, tmp_path):
     settings = SelfTextSettings(seed=1, chat_fraction=0.5, **FAST)
