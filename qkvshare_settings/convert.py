@@ -127,6 +127,8 @@ DEFAULT_RIDGE = 1e-4
 # it needs more shrinkage: on SmolLM2-135M with 8,192 calibration tokens, 1e-2 gave held-out errors 0.589 and 0.458
 # (layers 3 and 15) against 0.623 and 0.459 at 1e-4.
 DEFAULT_TRANSFER_RIDGE = 1e-2
+# --distill_trainable_modules' word for "every parameter" (the training run's trainable_modules=None)
+ALL_PARAMETERS = ["all"]
 # the transfer method's flags and their defaults (set to anything else, they need --method transfer)
 TRANSFER_DEFAULTS = {
     "validation_tokens": 4096,
@@ -139,6 +141,7 @@ TRANSFER_DEFAULTS = {
     "distill_learning_rate": 3e-5,
     "distill_temperature": 1.0,
     "distill_lm_weight": 0.0,
+    "distill_trainable_modules": ALL_PARAMETERS,
     "cache_budget": None,
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
 }
@@ -203,6 +206,10 @@ class ConvertArgs:
     distill_learning_rate: float = TRANSFER_DEFAULTS["distill_learning_rate"]  # stage (c) peak learning rate
     distill_temperature: float = TRANSFER_DEFAULTS["distill_temperature"]  # stage (c) KL temperature
     distill_lm_weight: float = TRANSFER_DEFAULTS["distill_lm_weight"]  # stage (c) LM loss weight
+    # stage (c) trains the parameters whose names contain one of these (["all"]: every parameter)
+    distill_trainable_modules: list[str] = field(
+        default_factory=lambda: list(TRANSFER_DEFAULTS["distill_trainable_modules"])
+    )
     cache_budget: float | None = TRANSFER_DEFAULTS["cache_budget"]  # transfer: at most this share of the KV bytes
     budget_choice: str = TRANSFER_DEFAULTS["budget_choice"]  # cache_budget ties the layers of lowest KL (or error)
     seed: int = 0  # order of the calibration text, stage (b)'s batches
@@ -221,6 +228,7 @@ class ConvertArgs:
             default = DEFAULT_CALIBRATION_TEXT.get(self.method or DEFAULT_METHOD, DEFAULT_ONE_SHOT_TEXT)
             self.calibration_text = "file" if given else default
         self.overrides = dict(self.overrides)
+        self.distill_trainable_modules = list(self.distill_trainable_modules)
         if self.kv_tie_point is not None:
             self.overrides["kv_tie_point"] = self.kv_tie_point
         self.check()
@@ -338,6 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--distill_lm_weight", type=float, default=t["distill_lm_weight"], help="stage (c) LM loss weight")
     p.add_argument(
+        "--distill_trainable_modules",
+        nargs="+",
+        default=list(t["distill_trainable_modules"]),
+        metavar="PATTERN",
+        help="stage (c) trains only the parameters whose names contain one of these (e.g. self_attn: the attention "
+        "projections; all: every parameter)",
+    )
+    p.add_argument(
         "--cache_budget",
         type=float,
         default=t["cache_budget"],
@@ -423,6 +439,12 @@ def check_transfer_args(args: ConvertArgs) -> None:
         raise ValueError(
             f"--budget_choice {args.budget_choice} ranks the layers --cache_budget ties, but no --cache_budget is "
             "given; add --cache_budget F (e.g. 0.75) or drop --budget_choice."
+        )
+    patterns = args.distill_trainable_modules
+    if not patterns or (ALL_PARAMETERS[0] in patterns and len(patterns) > 1) or not all(patterns):
+        raise ValueError(
+            f"--distill_trainable_modules {' '.join(patterns) or '(nothing)'}: give name patterns (e.g. self_attn) "
+            "or the single word all (every parameter)."
         )
     if not 0 <= args.distill_lm_weight < 1:
         raise ValueError(f"--distill_lm_weight {args.distill_lm_weight} must be in [0, 1): (1 - w) x KL + w x LM loss.")

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from qkvshare import QKVShareCache
 from qkvshare.convert import convert, save_converted
 from qkvshare.convert.data import documents, split_documents, split_of
+from qkvshare.convert.pipeline import distill_settings
 from qkvshare.convert.transfer import StopAfter, TransferSettings, run_stages
 from qkvshare.train.tokenizer import train_bpe_tokenizer
 
@@ -387,6 +388,24 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the work folder is gone
 
 
+def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_path):
+    import qkvshare_cli
+    from qkvshare_settings.convert import parse_args
+
+    source = LlamaForCausalLM.from_pretrained(source_dir).state_dict()
+    changed = {}
+    for modules in (["self_attn"], ["all"]):
+        out = tmp_path / modules[0]
+        argv = convert_argv(source_dir, corpus, out, "--distill_tokens", "256", "--distill_trainable_modules", *modules)
+        assert distill_settings(parse_args(argv[1:])).trainable_modules == (None if modules == ["all"] else modules)
+        assert qkvshare_cli.main(argv) == 0
+        converted = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        changed[modules[0]] = {k for k in converted if k in source and not torch.equal(source[k], converted[k])}
+    # stages (a) and (b) change attention only; stage (c) on self_attn leaves the rest exactly the source's
+    assert changed["self_attn"] and all(".self_attn." in k for k in changed["self_attn"]), changed["self_attn"]
+    assert any(".mlp." in k for k in changed["all"]) and "model.embed_tokens.weight" in changed["all"]
+
+
 def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corpus, tmp_path, monkeypatch):
     import qkvshare.convert.transfer as transfer
     import qkvshare_cli
@@ -434,6 +453,12 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
         (["--budget_choice", "size"], "argument --budget_choice: invalid choice: 'size'"),
         (["--method", "key", "--budget_choice", "error"], "--budget_choice error set(s) a stage of --method transfer"),
         (["--budget_choice", "error"], "--budget_choice error ranks the layers --cache_budget ties, but no"),
+        (
+            ["--distill_tokens", "256", "--distill_trainable_modules", "attn_x"],
+            "--distill_trainable_modules attn_x matches no parameter of the converted model; its parameters are named "
+            "like 'model.layers.0.self_attn.q_proj.weight'",
+        ),
+        (["--distill_trainable_modules", ""], "--distill_trainable_modules (nothing): give name patterns"),
     ],
 )
 def test_cli_transfer_bad_input_is_refused_before_any_work(source_dir, corpus, tmp_path, capsys, extra, message):

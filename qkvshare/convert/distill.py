@@ -76,6 +76,20 @@ def fit_micro_batch(config: Any, settings: DistillSettings, teacher_loaded: bool
     return dataclasses.replace(settings, micro_batch_size=micro)
 
 
+def check_trainable_modules(config: Any, settings: DistillSettings) -> None:
+    """A `ValueError` before any work when `settings.trainable_modules` matches no parameter of `config`'s model."""
+    if settings.trainable_modules is None:
+        return
+    with torch.device("meta"):
+        names = [name for name, _ in QKVShareForCausalLM(config).named_parameters()]
+    if not trained_names(names, settings.trainable_modules):
+        raise ValueError(
+            f"--distill_trainable_modules {' '.join(settings.trainable_modules)} matches no parameter of the "
+            f"converted model; its parameters are named like {names[1]!r} and {names[-1]!r} (e.g. self_attn, mlp, "
+            "embed_tokens), or give all (every parameter)."
+        )
+
+
 def check_distill_memory(config: Any, settings: DistillSettings) -> None:
     """A `ValueError` before any work when stage (c) would not fit in memory even one block at a time."""
     free = available_bytes()

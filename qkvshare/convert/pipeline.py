@@ -17,13 +17,13 @@ from qkvshare.convert import io as files
 from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
-from qkvshare.convert.distill import check_distill_memory, run_distillation
+from qkvshare.convert.distill import check_distill_memory, check_trainable_modules, run_distillation
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
 from qkvshare.convert.transfer import TransferSettings, check_activation_memory, measure_layer_errors
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
 from qkvshare.runtime import check_free_space, torch_dtype
 from qkvshare_settings.conventions import CommandStopped
-from qkvshare_settings.convert import RECORD_FILE, TRANSFER_DEFAULTS, ConvertArgs
+from qkvshare_settings.convert import ALL_PARAMETERS, RECORD_FILE, TRANSFER_DEFAULTS, ConvertArgs
 from qkvshare_settings.train import DistillSettings
 
 
@@ -59,6 +59,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
         if args.distill_tokens > 0:
+            check_trainable_modules(config, distill_settings(args))
             check_distill_memory(config, distill_settings(args))
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None
@@ -142,7 +143,10 @@ def transfer_settings(args: ConvertArgs) -> TransferSettings:
 
 def distill_settings(args: ConvertArgs) -> DistillSettings:
     """Stage (c) from the command's flags."""
-    return DistillSettings(**{field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()})
+    patterns = args.distill_trainable_modules
+    trainable = None if patterns == ALL_PARAMETERS else list(patterns)
+    fields = {field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()}
+    return DistillSettings(**fields, trainable_modules=trainable)
 
 
 def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
