@@ -34,7 +34,6 @@ against the KV bytes per token).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import subprocess
@@ -236,7 +235,7 @@ class Maker:
         model, record, _ = self.stages(text, budget)
         stage_model = self.save(row + "-stages", model, record)
         extra = {"trainable_modules": self.args.trainable_modules} if self.args.trainable_modules else {}
-        settings = dataclasses.replace(distill_settings(self.settings(text, row)), **extra)
+        settings = distill_settings(self.settings(text, row, **{f"distill_{k}": v for k, v in extra.items()}))
         started = time.perf_counter()
         work = self.out / "work" / row
         folder, metrics = run_distillation(

@@ -401,6 +401,8 @@ def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_p
         assert qkvshare_cli.main(argv) == 0
         converted = AutoModelForCausalLM.from_pretrained(out).state_dict()
         changed[modules[0]] = {k for k in converted if k in source and not torch.equal(source[k], converted[k])}
+    with pytest.raises(ValueError, match="--distill_trainable_modules all mlp: give name patterns"):
+        parse_args(convert_argv(source_dir, corpus, tmp_path / "x", "--distill_trainable_modules", "all", "mlp")[1:])
     # stages (a) and (b) change attention only; stage (c) on self_attn leaves the rest exactly the source's
     assert changed["self_attn"] and all(".self_attn." in k for k in changed["self_attn"]), changed["self_attn"]
     assert any(".mlp." in k for k in changed["all"]) and "model.embed_tokens.weight" in changed["all"]

@@ -42,10 +42,15 @@ def write_text_file(path: Path, texts: Iterable[str], tokenizer: Any, tokens: in
     return count
 
 
+def _parameters(config: Any) -> dict[str, torch.nn.Parameter]:
+    """The parameters of `config`'s model by name, on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        return dict(QKVShareForCausalLM(config).named_parameters())
+
+
 def _memory_terms(config: Any, settings: DistillSettings, teacher: bool) -> tuple[int, int]:
     """`distill_memory`'s (bytes whatever the micro-batch, bytes per block of a pass)."""
-    with torch.device("meta"):
-        names = dict(QKVShareForCausalLM(config).named_parameters())
+    names = _parameters(config)
     weights = sum(p.numel() for p in names.values())
     trained = sum(names[n].numel() for n in trained_names(list(names), settings.trainable_modules))
     kv_width = config.num_key_value_heads * config.head_dim
@@ -80,8 +85,7 @@ def check_trainable_modules(config: Any, settings: DistillSettings) -> None:
     """A `ValueError` before any work when `settings.trainable_modules` matches no parameter of `config`'s model."""
     if settings.trainable_modules is None:
         return
-    with torch.device("meta"):
-        names = [name for name, _ in QKVShareForCausalLM(config).named_parameters()]
+    names = list(_parameters(config))
     if not trained_names(names, settings.trainable_modules):
         raise ValueError(
             f"--distill_trainable_modules {' '.join(settings.trainable_modules)} matches no parameter of the "

@@ -59,8 +59,9 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
         if args.distill_tokens > 0:
-            check_trainable_modules(config, distill_settings(args))
-            check_distill_memory(config, distill_settings(args))
+            settings = distill_settings(args)
+            check_trainable_modules(config, settings)
+            check_distill_memory(config, settings)
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None
     writes_text = text is not None and "self" in text.sources
