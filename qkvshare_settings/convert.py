@@ -411,10 +411,19 @@ def check_calibration_text(args: ConvertArgs) -> None:
         )
 
 
+def flag_value(value: Any) -> str:
+    """A flag's value as typed on the command line (a list's items separated by spaces)."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def check_transfer_args(args: ConvertArgs) -> None:
     """The transfer method's numbers in range, and set only with --method transfer; a `ValueError` otherwise."""
     if args.method != "transfer":
-        given = [f"--{name} {getattr(args, name)}" for name, d in TRANSFER_DEFAULTS.items() if getattr(args, name) != d]
+        given = [
+            f"--{name} {flag_value(getattr(args, name))}"
+            for name, d in TRANSFER_DEFAULTS.items()
+            if getattr(args, name) != d
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)} set(s) a stage of --method transfer, but the method is "

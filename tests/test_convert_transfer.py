@@ -461,6 +461,10 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
             "like 'model.layers.0.self_attn.q_proj.weight'",
         ),
         (["--distill_trainable_modules", ""], "--distill_trainable_modules (nothing): give name patterns"),
+        (
+            ["--method", "key", "--distill_trainable_modules", "mlp"],
+            "--distill_trainable_modules mlp set(s) a stage of --method transfer, but the method is key",
+        ),
     ],
 )
 def test_cli_transfer_bad_input_is_refused_before_any_work(source_dir, corpus, tmp_path, capsys, extra, message):
