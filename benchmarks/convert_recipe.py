@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--trainable_modules", nargs="*", default=None, help="stage (c) trains only these (e.g. self_attn)")
     p.add_argument(
+        "--hidden_weight", type=float, default=None, help="stage (c)'s hidden-state loss weight (rows '-hidW')"
+    )
+    p.add_argument(
         "--tag",
         default="",
         help="appended to the rows' labels and the stages' work folder: rows made with other settings "
@@ -110,7 +113,8 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained only `--trainable_modules`)."""
+        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX" and "-hidW" (stage (c)'s peak and
+        hidden-state loss weight)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
@@ -118,6 +122,8 @@ class Maker:
             row += "-" + "-".join(m.replace("self_", "") for m in self.args.trainable_modules)
         if distilled and self.args.distill_learning_rate is not None:
             row += f"-lr{self.args.distill_learning_rate:g}"
+        if distilled and self.args.hidden_weight is not None:
+            row += f"-hid{self.args.hidden_weight:g}"
         return row
 
     def done(self, row: str) -> bool:
@@ -146,6 +152,7 @@ class Maker:
             transfer_steps=a.transfer_steps,
             distill_tokens=a.distill_tokens,
             **({"distill_learning_rate": a.distill_learning_rate} if a.distill_learning_rate is not None else {}),
+            **({"distill_hidden_weight": a.hidden_weight} if a.hidden_weight is not None else {}),
             overwrite_output_dir=True,
             **extra,
         )

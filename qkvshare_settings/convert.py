@@ -58,7 +58,8 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     `--transfer_batch_size` blocks per layer, each layer keeping its state that is best on the validation split
     (measured every `--transfer_eval_steps` steps); the layers are independent, one source forward serves all. (c)
     distillation of the whole model against the source's logits (KL at `--distill_temperature`, mixed with the LM
-    loss by `--distill_lm_weight`) for `--distill_tokens` tokens, through `qkvshare train --teacher`. Stages (a)
+    loss by `--distill_lm_weight`; `--distill_hidden_weight` adds a loss matching each layer's output to the
+    source's) for `--distill_tokens` tokens, through `qkvshare train --teacher`. Stages (a)
     and (b) fit the calibration text's train split; each layer keeps a stage's result only if it lowers the
     layer's error on the validation split (`--validation_tokens`); the test split of the embedded text is never
     read. A stage's state is saved as it goes in a work folder beside the output (`.NAME.qkvshare-convert`): a
@@ -103,6 +104,7 @@ read.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,7 @@ TRANSFER_DEFAULTS = {
     "distill_learning_rate": 3e-5,
     "distill_temperature": 1.0,
     "distill_lm_weight": 0.0,
+    "distill_hidden_weight": 0.0,
     "distill_trainable_modules": ALL_PARAMETERS,
     "cache_budget": None,
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
@@ -206,6 +209,7 @@ class ConvertArgs:
     distill_learning_rate: float = TRANSFER_DEFAULTS["distill_learning_rate"]  # stage (c) peak learning rate
     distill_temperature: float = TRANSFER_DEFAULTS["distill_temperature"]  # stage (c) KL temperature
     distill_lm_weight: float = TRANSFER_DEFAULTS["distill_lm_weight"]  # stage (c) LM loss weight
+    distill_hidden_weight: float = TRANSFER_DEFAULTS["distill_hidden_weight"]  # stage (c) hidden-state loss weight
     # stage (c) trains the parameters whose names contain one of these (["all"]: every parameter)
     distill_trainable_modules: list[str] = field(
         default_factory=lambda: list(TRANSFER_DEFAULTS["distill_trainable_modules"])
@@ -346,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--distill_lm_weight", type=float, default=t["distill_lm_weight"], help="stage (c) LM loss weight")
     p.add_argument(
+        "--distill_hidden_weight",
+        type=float,
+        default=t["distill_hidden_weight"],
+        help="stage (c): weight of a loss matching each layer's output to the source's, added to the KL (0: off)",
+    )
+    p.add_argument(
         "--distill_trainable_modules",
         nargs="+",
         default=list(t["distill_trainable_modules"]),
@@ -457,6 +467,11 @@ def check_transfer_args(args: ConvertArgs) -> None:
         )
     if not 0 <= args.distill_lm_weight < 1:
         raise ValueError(f"--distill_lm_weight {args.distill_lm_weight} must be in [0, 1): (1 - w) x KL + w x LM loss.")
+    if not (args.distill_hidden_weight >= 0 and math.isfinite(args.distill_hidden_weight)):
+        raise ValueError(
+            f"--distill_hidden_weight {args.distill_hidden_weight} must be a finite number >= 0 (0 turns the "
+            "hidden-state loss off)."
+        )
     if args.cache_budget is not None and not 0 < args.cache_budget <= 1:
         raise ValueError(
             f"--cache_budget {args.cache_budget} must be in (0, 1]: the fraction of the source's KV-cache bytes to "

@@ -61,7 +61,7 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 FLASH_ATTENTION_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 VARIANT_PLACEHOLDER = "{variant}"  # in --output_dir: replaced by --variant
 # The flags of distillation and their defaults: set to anything else, they need --teacher.
-DISTILL_DEFAULTS = {"distill_temperature": 1.0, "distill_lm_weight": 0.0}
+DISTILL_DEFAULTS = {"distill_temperature": 1.0, "distill_lm_weight": 0.0, "distill_hidden_weight": 0.0}
 
 
 def flag(default: Any, help: str) -> Any:
@@ -157,6 +157,12 @@ class TrainArguments:
     distill_lm_weight: float = flag(
         0.0, "with --teacher: weight of the LM loss, (1 - w) x KL + w x cross-entropy (0: pure distillation)"
     )
+    distill_hidden_weight: float = flag(
+        0.0,
+        "with --teacher: weight of the hidden-state loss added to it, each layer's output matched to the teacher's "
+        "(squared error relative to the teacher's, per token, averaged over layers); needs a teacher with the "
+        "student's layers and width, e.g. the model it was converted from (0: off)",
+    )
     bf16: bool = flag(False, "bf16 mixed precision")
     fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")
     use_cpu: bool = flag(False, "train on CPU even if a GPU is present (gloo for 2+ ranks)")
@@ -208,6 +214,7 @@ class DistillSettings:
     warmup_steps: int = 2
     temperature: float = 1.0
     lm_weight: float = 0.0
+    hidden_weight: float = 0.0  # weight of the layer-by-layer hidden-state loss (`--distill_hidden_weight`)
     save_steps: int = 10
     eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
     seed: int = 0
@@ -262,6 +269,7 @@ def distill_arguments(
         weight_decay=0.0,
         distill_temperature=s.temperature,
         distill_lm_weight=s.lm_weight,
+        distill_hidden_weight=s.hidden_weight,
         save_steps=s.save_steps,
         save_total_limit=1,
         eval_steps=s.steps,
@@ -511,6 +519,7 @@ def _check_numbers(args: Arguments) -> None:
         ("peak_tflops", t.peak_tflops, t.peak_tflops is None or t.peak_tflops > 0, "> 0"),
         ("distill_temperature", t.distill_temperature, t.distill_temperature > 0, "> 0 (1 or 2 is usual)"),
         ("distill_lm_weight", t.distill_lm_weight, 0 <= t.distill_lm_weight <= 1, "between 0 and 1"),
+        ("distill_hidden_weight", t.distill_hidden_weight, t.distill_hidden_weight >= 0, ">= 0 (0 turns it off)"),
     ]
     for name, value, allowed, expected in ranges:
         if not allowed:

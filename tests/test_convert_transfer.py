@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -135,6 +136,10 @@ def test_distillation_bad_inputs_are_refused_before_training(source_dir, corpus,
         "no --teacher is given": ["--teacher", None, "--distill_temperature", "2"],
         "leaves no weight on the teacher": ["--distill_lm_weight", "1"],
         "--distill_temperature 0.0 is out of range": ["--distill_temperature", "0"],
+        "--distill_hidden_weight -1.0 is out of range; it must be >= 0": ["--distill_hidden_weight", "-1"],
+        "--distill_hidden_weight 1.0 set(s) how to distil, but no --teacher": [
+            *("--teacher", None, "--distill_hidden_weight", "1")
+        ],
     }
     for expected, change in cases.items():
         case = list(argv)
@@ -149,6 +154,70 @@ def test_distillation_bad_inputs_are_refused_before_training(source_dir, corpus,
         assert train_main(case) == 2, expected
         assert expected in capsys.readouterr().err, expected
     assert not (tmp_path / "run").exists()
+
+
+def test_hidden_state_loss_is_each_layers_relative_error_averaged():
+    from qkvshare.train.pretrain import hidden_state_loss
+
+    ref = [torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    assert hidden_state_loss(ref, [h.clone() for h in ref]).item() == 0
+    # layer 1 off by 10% everywhere, layer 3 by 30% at one token: (0.01 + 0 + 0.09 / 10) / 3; entry 0 is not a layer
+    own = [ref[0] * 5, ref[1] * 1.1, ref[2].clone(), ref[3].clone()]
+    own[3][1, 2] *= 1.3
+    assert hidden_state_loss(own, ref).item() == pytest.approx((0.01 + 0.09 / 10) / 3, rel=1e-5)
+    with pytest.raises(ValueError, match="4 hidden states against the teacher's 3"):
+        hidden_state_loss(own, ref[:3])
+
+
+def test_distillation_with_the_hidden_state_loss(source_dir, corpus, tmp_path, capsys):
+    """--distill_hidden_weight adds w x the relative hidden-state error to the KL, and training on it brings every
+    layer's output closer to the teacher's than the KL alone does."""
+    from types import SimpleNamespace
+
+    from qkvshare.train.pretrain import distillation_loss, hidden_state_loss, train_loss
+
+    source = LlamaForCausalLM.from_pretrained(source_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source_dir)
+    model, record = convert(source, "Q-K=V", "key")
+    ids = blocks(2, 33)
+    with torch.no_grad():
+        train = SimpleNamespace(distill_temperature=2.0, distill_lm_weight=0.0, distill_hidden_weight=0.5)
+        run = SimpleNamespace(
+            model=model,
+            teacher=source,
+            args=SimpleNamespace(train=train),
+            accelerator=SimpleNamespace(autocast=nullcontext),
+        )
+        own = model(input_ids=ids[:, :-1], output_hidden_states=True)
+        ref = source(input_ids=ids[:, :-1], output_hidden_states=True)
+        hidden = hidden_state_loss(own.hidden_states, ref.hidden_states)
+        assert len(own.hidden_states) == 3 and hidden > 0
+        expected = distillation_loss(own.logits, ref.logits, 2.0) + 0.5 * hidden
+        assert train_loss(run, ids).item() == pytest.approx(expected.item(), rel=1e-6)
+
+    converted = tmp_path / "converted"
+    save_converted(model, record, converted, tokenizer)
+    errors = {}
+    for weight in ("0", "1"):
+        argv = [*distill_argv(converted, source_dir, corpus, tmp_path / weight), "--distill_hidden_weight", weight]
+        assert train_main(argv) == 0
+        student = AutoModelForCausalLM.from_pretrained(tmp_path / weight).eval()
+        with torch.no_grad():
+            errors[weight] = hidden_state_loss(
+                student(input_ids=ids, output_hidden_states=True).hidden_states,
+                source(input_ids=ids, output_hidden_states=True).hidden_states,
+            ).item()
+    assert errors["1"] < 0.8 * errors["0"], errors
+    # a teacher of another depth has no layer to match each of the student's
+    deeper = tmp_path / "deeper"
+    llama(layers=3).save_pretrained(deeper)
+    tokenizer.save_pretrained(deeper)
+    argv = distill_argv(converted, deeper, corpus, tmp_path / "bad")
+    assert train_main([*argv, "--distill_hidden_weight", "1"]) == 2
+    assert (
+        "--distill_hidden_weight 1.0 matches each layer's output to the teacher's, but the teacher has 3 layers of "
+        "width 64 and the student 2 of width 64"
+    ) in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -398,6 +467,7 @@ def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_p
         out = tmp_path / modules[0]
         argv = convert_argv(source_dir, corpus, out, "--distill_tokens", "256", "--distill_trainable_modules", *modules)
         assert distill_settings(parse_args(argv[1:])).trainable_modules == (None if modules == ["all"] else modules)
+        assert distill_settings(parse_args([*argv[1:], "--distill_hidden_weight", "0.5"])).hidden_weight == 0.5
         assert qkvshare_cli.main(argv) == 0
         converted = AutoModelForCausalLM.from_pretrained(out).state_dict()
         changed[modules[0]] = {k for k in converted if k in source and not torch.equal(source[k], converted[k])}
@@ -451,6 +521,12 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
         (["--variant", "Q-MQA", "--cache_budget", "0.6"], "pools the source's 2 key/value heads into 1"),
         (["--variant", "QKV"], "changes none of the source's (an exact copy)"),
         (["--distill_lm_weight", "1"], "--distill_lm_weight 1.0 must be in [0, 1)"),
+        (["--distill_hidden_weight", "nan"], "--distill_hidden_weight nan must be a finite number >= 0"),
+        (["--distill_hidden_weight", "-0.5"], "--distill_hidden_weight -0.5 must be a finite number >= 0"),
+        (
+            ["--method", "key", "--distill_hidden_weight", "1"],
+            "--distill_hidden_weight 1.0 set(s) a stage of --method transfer, but the method is key",
+        ),
         (["--validation_tokens", "0"], "--validation_tokens 0 must be at least 1"),
         (["--budget_choice", "size"], "argument --budget_choice: invalid choice: 'size'"),
         (["--method", "key", "--budget_choice", "error"], "--budget_choice error set(s) a stage of --method transfer"),

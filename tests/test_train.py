@@ -588,3 +588,6 @@ def test_distill_settings_reach_the_training_run(tmp_path):
     assert args.model.teacher == "teacher" and args.model.init_from == "student"
     assert args.train.max_steps == 10 and args.train.trainable_modules == ["self_attn"]  # ceil(5000 / 512)
     assert distill_arguments("s", "t", "a", "b", str(tmp_path), DistillSettings()).train.trainable_modules is None
+    assert args.train.distill_hidden_weight == 0
+    weighted = DistillSettings(tokens=5000, hidden_weight=0.5)
+    assert distill_arguments("s", "t", "a", "b", str(tmp_path), weighted).train.distill_hidden_weight == 0.5

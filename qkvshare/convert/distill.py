@@ -57,6 +57,8 @@ def _memory_terms(config: Any, settings: DistillSettings, teacher: bool) -> tupl
     per_layer = 10 * config.hidden_size + 2 * kv_width + 4 * config.intermediate_size
     per_layer += config.num_attention_heads * settings.block_size
     per_token = LOGIT_COPIES * config.vocab_size + config.num_hidden_layers * per_layer
+    if settings.hidden_weight:  # the teacher's hidden states, kept for the hidden-state loss
+        per_token += (config.num_hidden_layers + 1) * config.hidden_size
     return 4 * (weights * (2 if teacher else 1) + 3 * trained), 4 * settings.block_size * per_token
 
 

@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -548,6 +548,8 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
         teacher = teacher_model
         if teacher is None and m.teacher:
             teacher = load_teacher(m.teacher, config, tokenizer)
+        if teacher is not None and t.distill_hidden_weight > 0:
+            check_hidden_teacher(teacher.config, config, t.distill_hidden_weight)
         fpt = flops_per_token(model, config, block_size)
         optimizer = build_optimizer(model, args)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -582,6 +584,19 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
         teacher,
         train_seconds,
     )
+
+
+def check_hidden_teacher(teacher: Any, student: QKVShareConfig, weight: float) -> None:
+    """--distill_hidden_weight matches the student's layers to the teacher's one by one: both configs need the same
+    number of layers and the same width."""
+    shapes = [(c.num_hidden_layers, c.hidden_size) for c in (teacher, student)]
+    if shapes[0] != shapes[1]:
+        (tl, td), (sl, sd) = shapes
+        raise TrainingSetupError(
+            f"--distill_hidden_weight {weight} matches each layer's output to the teacher's, but the teacher has {tl} "
+            f"layers of width {td} and the student {sl} of width {sd}; distil from a teacher of the student's shape "
+            "(e.g. the model it was converted from) or pass --distill_hidden_weight 0."
+        )
 
 
 def load_teacher(path: str, config: QKVShareConfig, tokenizer: Any) -> Any:
@@ -643,19 +658,36 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temper
     return kl * temperature**2
 
 
+def hidden_state_loss(hidden: Sequence[torch.Tensor], teacher_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each layer's output matched to the teacher's: the squared error relative to the teacher's squared norm at
+    the same token, averaged over tokens and layers (the embeddings, entry 0, left out). Relative per token, so the
+    few tokens and late layers of large activations weigh no more than the rest."""
+    if len(hidden) != len(teacher_hidden):
+        raise ValueError(f"{len(hidden)} hidden states against the teacher's {len(teacher_hidden)}")
+    terms = []
+    for own, ref in zip(hidden[1:], teacher_hidden[1:], strict=True):
+        ref = ref.float()
+        terms.append(((own.float() - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp_min(1e-12)).mean())
+    return torch.stack(terms).mean()
+
+
 def train_loss(run: Run, blocks: torch.Tensor) -> torch.Tensor:
-    """The loss of one micro-batch: the LM loss, or with --teacher the distillation loss mixed with it."""
+    """The loss of one micro-batch: the LM loss, or with --teacher the distillation loss mixed with it (plus
+    --distill_hidden_weight x `hidden_state_loss`)."""
     if run.teacher is None:
         return next_token_loss(run.model, blocks)
     t = run.args.train
     inputs = blocks[:, :-1]
-    logits = run.model(input_ids=inputs, use_cache=False).logits
+    hidden = t.distill_hidden_weight > 0
+    out = run.model(input_ids=inputs, use_cache=False, output_hidden_states=hidden)
     with torch.no_grad(), run.accelerator.autocast():
-        teacher_logits = run.teacher(input_ids=inputs, use_cache=False).logits
-    loss = distillation_loss(logits, teacher_logits, t.distill_temperature)
+        teacher_out = run.teacher(input_ids=inputs, use_cache=False, output_hidden_states=hidden)
+    loss = distillation_loss(out.logits, teacher_out.logits, t.distill_temperature)
     if t.distill_lm_weight:
-        lm = F.cross_entropy(logits.float().flatten(0, 1), blocks[:, 1:].flatten())
+        lm = F.cross_entropy(out.logits.float().flatten(0, 1), blocks[:, 1:].flatten())
         loss = (1 - t.distill_lm_weight) * loss + t.distill_lm_weight * lm
+    if hidden:
+        loss = loss + t.distill_hidden_weight * hidden_state_loss(out.hidden_states, teacher_out.hidden_states)
     return loss
 
 
