@@ -76,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--hidden_weight", type=float, default=None, help="stage (c)'s hidden-state loss weight (rows '-hidW')"
     )
+    p.add_argument("--bf16", action="store_true", help="stage (c) in bf16 mixed precision (rows '-bf16')")
     p.add_argument(
         "--tag",
         default="",
@@ -113,8 +114,8 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX" and "-hidW" (stage (c)'s peak and
-        hidden-state loss weight)."""
+        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX", "-hidW" and "-bf16" (stage (c)'s
+        peak, hidden-state loss weight and precision)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
@@ -124,6 +125,8 @@ class Maker:
             row += f"-lr{self.args.distill_learning_rate:g}"
         if distilled and self.args.hidden_weight is not None:
             row += f"-hid{self.args.hidden_weight:g}"
+        if distilled and self.args.bf16:
+            row += "-bf16"
         return row
 
     def done(self, row: str) -> bool:
@@ -153,6 +156,7 @@ class Maker:
             distill_tokens=a.distill_tokens,
             **({"distill_learning_rate": a.distill_learning_rate} if a.distill_learning_rate is not None else {}),
             **({"distill_hidden_weight": a.hidden_weight} if a.hidden_weight is not None else {}),
+            distill_bf16=a.bf16,
             overwrite_output_dir=True,
             **extra,
         )

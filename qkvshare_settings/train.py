@@ -215,6 +215,7 @@ class DistillSettings:
     temperature: float = 1.0
     lm_weight: float = 0.0
     hidden_weight: float = 0.0  # weight of the layer-by-layer hidden-state loss (`--distill_hidden_weight`)
+    bf16: bool = False  # bf16 mixed precision (`--bf16`): the weights and optimizer stay float32
     save_steps: int = 10
     eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
     seed: int = 0
@@ -270,6 +271,7 @@ def distill_arguments(
         distill_temperature=s.temperature,
         distill_lm_weight=s.lm_weight,
         distill_hidden_weight=s.hidden_weight,
+        bf16=s.bf16,
         save_steps=s.save_steps,
         save_total_limit=1,
         eval_steps=s.steps,

@@ -127,6 +127,42 @@ def test_distillation_in_micro_batches_with_the_teacher_in_memory_matches_the_wh
     assert parts["val_kl"] == pytest.approx(whole["val_kl"], rel=1e-4)
 
 
+def test_distillation_in_bf16_runs_both_models_in_bf16_and_keeps_float32_weights(source_dir, corpus, tmp_path):
+    """DistillSettings.bf16 (`qkvshare convert --distill_bf16`, `qkvshare train --bf16`): the student's and the
+    teacher's forward passes in bf16 autocast on CPU, the saved weights float32, and the KL still falls."""
+    from qkvshare.train.distill import distill
+    from qkvshare_settings.train import DistillSettings
+
+    source = LlamaForCausalLM.from_pretrained(source_dir).eval()
+    model, record = convert(source, "Q-K=V", "key")
+    converted = tmp_path / "converted"
+    save_converted(model, record, converted, AutoTokenizer.from_pretrained(source_dir))
+    teacher = {id(m) for m in source.modules()}
+    seen: dict[str, set[torch.dtype]] = {"student": set(), "teacher": set()}
+
+    def recorded(module, inputs, output):  # the dtype every linear layer computes in
+        if isinstance(module, torch.nn.Linear):
+            seen["teacher" if id(module) in teacher else "student"].add(output.dtype)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(recorded)
+    try:
+        settings = DistillSettings(tokens=4 * 4 * 32, batch_size=4, block_size=32, learning_rate=1e-2, eval_blocks=4)
+        full = distill(converted, source_dir, corpus, corpus, tmp_path / "fp32", settings, teacher_model=source)
+        assert seen == {"student": {torch.float32}, "teacher": {torch.float32}}
+        seen = {"student": set(), "teacher": set()}
+        half = distill(converted, source_dir, corpus, corpus, tmp_path / "bf16", replace(settings, bf16=True), source)
+    finally:
+        hook.remove()
+    assert seen == {"student": {torch.bfloat16}, "teacher": {torch.bfloat16}}
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").state_dict()
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    ids = blocks(4)
+    assert mean_kl(source, AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval(), ids) < mean_kl(
+        source, model, ids
+    )
+    assert half["val_kl"] == pytest.approx(full["val_kl"], rel=0.05)
+
+
 def test_distillation_bad_inputs_are_refused_before_training(source_dir, corpus, tmp_path, capsys):
     converted = tmp_path / "converted"
     save_converted(*convert(LlamaForCausalLM.from_pretrained(source_dir), "Q-K=V", "key"), converted)
@@ -468,9 +504,15 @@ def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_p
         argv = convert_argv(source_dir, corpus, out, "--distill_tokens", "256", "--distill_trainable_modules", *modules)
         assert distill_settings(parse_args(argv[1:])).trainable_modules == (None if modules == ["all"] else modules)
         assert distill_settings(parse_args([*argv[1:], "--distill_hidden_weight", "0.5"])).hidden_weight == 0.5
+        assert (
+            distill_settings(parse_args([*argv[1:], "--distill_bf16"])).bf16
+            and not distill_settings(parse_args(argv[1:])).bf16
+        )
         assert qkvshare_cli.main(argv) == 0
         converted = AutoModelForCausalLM.from_pretrained(out).state_dict()
         changed[modules[0]] = {k for k in converted if k in source and not torch.equal(source[k], converted[k])}
+    with pytest.raises(ValueError, match=r"--distill_tokens 0, --distill_bf16 set\(s\) a stage of --method transfer"):
+        parse_args([*convert_argv(source_dir, corpus, tmp_path / "x", "--distill_bf16")[1:], "--method", "key"])
     with pytest.raises(ValueError, match="--distill_trainable_modules all mlp: give name patterns"):
         parse_args(convert_argv(source_dir, corpus, tmp_path / "x", "--distill_trainable_modules", "all", "mlp")[1:])
     # stages (a) and (b) change attention only; stage (c) on self_attn leaves the rest exactly the source's

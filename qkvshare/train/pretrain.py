@@ -197,6 +197,7 @@ def make_accelerator(args: Arguments) -> Any:
     --output_dir. FSDP is refused there, as accelerate would silently fall back to plain data parallelism.
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, get_int_from_env
 
     t = args.train
@@ -204,6 +205,10 @@ def make_accelerator(args: Arguments) -> Any:
     cpu_ranks = world > 1 and not t.use_cpu and not _accelerator_available()
     trackers = [name.strip() for name in t.report_to.split(",") if name.strip() and name.strip() != "none"]
     precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "no"
+    if AcceleratorState._shared_state.get("_mixed_precision", precision) != precision:
+        # accelerate keeps the first run's precision process-wide and refuses another; a library caller's earlier
+        # run (e.g. a conversion's stage (c) after a float32 training) must not decide this one's
+        AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision=precision,
         cpu=t.use_cpu or cpu_ranks,
