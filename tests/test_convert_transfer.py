@@ -542,6 +542,11 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
     assert (work / "stages" / "transfer" / "layer-000.safetensors").is_file()  # layer 0 finished before the kill
     # Other settings do not continue it.
     assert qkvshare_cli.main([*argv[:-2], "--seed", "4"]) == 2
+    # a folder written before a setting existed continues when the setting is at its default
+    plan = json.loads((work / "plan.json").read_text())
+    del plan["distill_bf16"], plan["distill_hidden_weight"]
+    (work / "plan.json").write_text(json.dumps(plan))
+    assert qkvshare_cli.main([*argv, "--distill_bf16"]) == 2
     monkeypatch.setattr(transfer, "normalised_mse", loss)
     assert qkvshare_cli.main(argv) == 0
     whole = json.loads((tmp_path / "whole" / "conversion.json").read_text())["layer_errors"]

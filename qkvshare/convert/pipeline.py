@@ -165,7 +165,9 @@ def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
     plan_file = work / "plan.json"
     if plan_file.is_file():
         saved = json.loads(plan_file.read_text())
-        changed = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in plan.items() if saved.get(k) != v]
+        # a setting added since the folder was written (absent from it) ran at its default then
+        then = {k: saved.get(k, TRANSFER_DEFAULTS.get(k)) for k in plan}
+        changed = [f"{k}: {then[k]!r} then, {v!r} now" for k, v in plan.items() if then[k] != v]
         if changed:
             raise ValueError(
                 f"{work} holds the progress of an interrupted conversion into {out} with other settings "
