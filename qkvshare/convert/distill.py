@@ -21,7 +21,7 @@ import torch
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.runtime import MEMORY_SHARE, available_bytes
 from qkvshare.train.distill import distill
-from qkvshare.train.pretrain import trained_names
+from qkvshare.train.pretrain import no_match, trained_names
 from qkvshare_settings.train import DistillSettings
 
 LOGIT_COPIES = 6  # block x vocab tensors alive at the loss: both logits, both log-softmaxes, the KL's terms, a gradient
@@ -88,12 +88,8 @@ def check_trainable_modules(config: Any, settings: DistillSettings) -> None:
     if settings.trainable_modules is None:
         return
     names = list(_parameters(config))
-    if not trained_names(names, settings.trainable_modules):
-        raise ValueError(
-            f"--distill_trainable_modules {' '.join(settings.trainable_modules)} matches no parameter of the "
-            f"converted model; its parameters are named like {names[1]!r} and {names[-1]!r} (e.g. self_attn, mlp, "
-            "embed_tokens), or give all (every parameter)."
-        )
+    if problem := no_match("--distill_trainable_modules", settings.trainable_modules, names, "the converted model"):
+        raise ValueError(problem + ", or give all (every parameter).")
 
 
 def check_distill_memory(config: Any, settings: DistillSettings) -> None:

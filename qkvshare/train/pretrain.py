@@ -474,16 +474,24 @@ def trained_names(names: list[str], patterns: list[str] | None) -> list[str]:
     return list(names) if patterns is None else [name for name in names if any(p in name for p in patterns)]
 
 
+def no_match(flag: str, patterns: list[str], names: list[str], whose: str) -> str | None:
+    """The error when `patterns` (of `flag`) match none of the parameter `names` of `whose` model; None when some
+    match."""
+    if trained_names(names, patterns):
+        return None
+    return (
+        f"{flag} {' '.join(patterns)} matches no parameter of {whose}; its parameters are named like "
+        f"{names[min(1, len(names) - 1)]!r} and {names[-1]!r} (e.g. self_attn, mlp, embed_tokens)"
+    )
+
+
 def freeze_all_but(model: torch.nn.Module, patterns: list[str]) -> None:
     """Train only the parameters whose names contain one of `patterns`: the rest take no gradient and no optimizer
     state (their activations' gradients still flow). A `TrainingSetupError` when no parameter matches."""
     names = [name for name, _ in model.named_parameters()]
+    if problem := no_match("--trainable_modules", patterns, names, "the model"):
+        raise TrainingSetupError(problem + ".")
     trained = trained_names(names, patterns)
-    if not trained:
-        raise TrainingSetupError(
-            f"--trainable_modules {' '.join(patterns)} matches no parameter of the model; its parameters are named "
-            f"like {names[0]!r} and {names[-1]!r} (e.g. self_attn, mlp, embed_tokens)."
-        )
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name in trained)
 
