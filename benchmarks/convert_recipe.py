@@ -76,7 +76,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--hidden_weight", type=float, default=None, help="stage (c)'s hidden-state loss weight (rows '-hidW')"
     )
-    p.add_argument("--bf16", action="store_true", help="stage (c) in bf16 mixed precision (rows '-bf16')")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="stage (c) in bf16 mixed precision (rows '-bf16'; without it float32 on every machine, "
+        "where convert's default follows the device)",
+    )
     p.add_argument(
         "--tag",
         default="",

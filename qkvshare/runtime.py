@@ -1,5 +1,6 @@
-"""What the tools need to know of the machine they run on: the `torch.dtype` of a `--dtype` name, the default device,
-the memory available now, and the disk: free space before a write, and a full disk named as such after one.
+"""What the tools need to know of the machine they run on: the `torch.dtype` of a `--dtype` name, the default device
+and whether it computes bf16 natively, the memory available now, and the disk: free space before a write, and a full
+disk named as such after one.
 
 The `--dtype` names and aliases themselves are `qkvshare_settings.conventions`, which the command-line parsers
 import without torch.
@@ -26,6 +27,38 @@ def torch_dtype(name: str) -> torch.dtype | str:
 def default_device() -> str:
     """`cuda` when a GPU is visible, otherwise `cpu`."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# CPU feature flags (Linux /proc/cpuinfo) of native bf16 arithmetic: x86 AVX512-BF16 and AMX, Arm's BF16 extension
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo lists for the first CPU (x86 "flags", Arm "Features"); empty where unknown."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def native_bf16(device: str | None = None) -> tuple[bool, str]:
+    """Whether `device` (default: `default_device()`) computes bf16 natively, and what says so: a GPU that supports
+    it without emulation, or a CPU with bf16 instructions (`BF16_CPU_FLAGS`). Elsewhere bf16 autocast is emulated and
+    slower than float32."""
+    device = device or default_device()
+    if device.startswith("cuda"):
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{torch.cuda.get_device_name()} computes bf16"
+        return False, "this GPU has no native bf16"
+    found = sorted(cpu_flags().intersection(BF16_CPU_FLAGS))
+    if found:
+        return True, f"this CPU has bf16 instructions ({', '.join(found)})"
+    return False, "this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16)"
 
 
 MEMORY_SHARE = 0.8  # of the memory available (`available_bytes`), what one piece of work may plan to use

@@ -144,7 +144,7 @@ TRANSFER_DEFAULTS = {
     "distill_temperature": 1.0,
     "distill_lm_weight": 0.0,
     "distill_hidden_weight": 0.0,
-    "distill_bf16": False,
+    "distill_bf16": None,  # auto: bf16 mixed precision where the device computes bf16 natively (section 11.3)
     "distill_trainable_modules": ALL_PARAMETERS,
     "cache_budget": None,
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
@@ -211,7 +211,8 @@ class ConvertArgs:
     distill_temperature: float = TRANSFER_DEFAULTS["distill_temperature"]  # stage (c) KL temperature
     distill_lm_weight: float = TRANSFER_DEFAULTS["distill_lm_weight"]  # stage (c) LM loss weight
     distill_hidden_weight: float = TRANSFER_DEFAULTS["distill_hidden_weight"]  # stage (c) hidden-state loss weight
-    distill_bf16: bool = TRANSFER_DEFAULTS["distill_bf16"]  # stage (c) in bf16 mixed precision (float32 weights)
+    # stage (c) in bf16 mixed precision (float32 weights); None: where the device computes bf16 natively
+    distill_bf16: bool | None = TRANSFER_DEFAULTS["distill_bf16"]
     # stage (c) trains the parameters whose names contain one of these (["all"]: every parameter)
     distill_trainable_modules: list[str] = field(
         default_factory=lambda: list(TRANSFER_DEFAULTS["distill_trainable_modules"])
@@ -359,9 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--distill_bf16",
-        action="store_true",
-        help="stage (c) in bf16 mixed precision (weights and optimizer in float32): faster on GPUs and on CPUs with "
-        "bf16 instructions (AVX512-BF16, AMX)",
+        action=argparse.BooleanOptionalAction,
+        default=t["distill_bf16"],
+        help="stage (c) in bf16 mixed precision (weights and optimizer in float32), or with --no-distill_bf16 in "
+        "float32 (default: bf16 where the device computes it natively: GPUs, CPUs with AVX512-BF16, AMX or Arm BF16)",
     )
     p.add_argument(
         "--distill_trainable_modules",
@@ -430,10 +432,10 @@ def check_calibration_text(args: ConvertArgs) -> None:
 
 
 def flag_as_typed(name: str, value: Any) -> str:
-    """Flag `name` with its value as typed on the command line: a list's items separated by spaces, a switch
-    (`store_true`) alone."""
-    if value is True:
-        return f"--{name}"
+    """Flag `name` with its value as typed on the command line: a list's items separated by spaces, a switch alone
+    (`--name` on, `--no-name` off)."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
     return f"--{name} " + (" ".join(map(str, value)) if isinstance(value, list) else str(value))
 
 

@@ -29,6 +29,15 @@ from qkvshare.train.tokenizer import train_bpe_tokenizer
 train_main = command("train")
 
 
+@pytest.fixture(autouse=True)
+def _stage_c_in_float32(monkeypatch):
+    """Stage (c)'s default precision follows the device (`runtime.native_bf16`); the suite runs it in float32 on
+    every machine, and `test_stage_c_precision_follows_the_device` tests the choice."""
+    import qkvshare.convert.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (False, "no bf16 on the test machine"))
+
+
 def llama(kv_heads: int = 2, seed: int = 0, layers: int = 2, **overrides) -> LlamaForCausalLM:
     """test_convert's tiny Llama, GQA-2 and with sharper next-token distributions than the default init (0.02):
     KL and errors that show."""
@@ -491,6 +500,46 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     assert f"stage (c) {distilled['train_seconds']:,.0f} s ({distilled['tokens_per_second']:,.0f} tokens/s)" in printed
     assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(source_dir).get_vocab()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the work folder is gone
+    assert distilled["bf16"] is False
+    assert "stage (c) in float32: no bf16 on the test machine (--distill_bf16 forces bf16)." in printed
+
+
+def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monkeypatch, capsys):
+    """No --distill_bf16: bf16 mixed precision where the device computes bf16 natively, float32 elsewhere, said on
+    stdout and kept in the work folder's plan (a conversion continues in the precision it started in)."""
+    import qkvshare.convert.pipeline as pipeline
+    from qkvshare import runtime
+    from qkvshare_settings.convert import parse_args
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert runtime.native_bf16("cpu") == (True, "this CPU has bf16 instructions (avx512_bf16)")
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert runtime.native_bf16("cpu")[0] is False
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"fp", "asimd", "bf16"})  # Arm
+    assert runtime.native_bf16("cpu")[0] is True
+
+    argv = convert_argv(source_dir, corpus, tmp_path / "out", "--distill_tokens", "256")[1:]
+    for native in (True, False):
+        monkeypatch.setattr(pipeline, "native_bf16", lambda device=None, native=native: (native, "said"))
+        assert parse_args(argv).distill_bf16 is None  # decided when the conversion starts
+        assert distill_settings(parse_args(argv)).bf16 is native
+        assert distill_settings(parse_args([*argv, "--distill_bf16"])).bf16 is True
+        assert distill_settings(parse_args([*argv, "--no-distill_bf16"])).bf16 is False
+    assert "stage (c) in float32: said (--distill_bf16 forces bf16)." in capsys.readouterr().out
+    decided = pipeline.with_distill_precision(parse_args([*argv[:-2], "--distill_tokens", "0"]))
+    assert decided.distill_bf16 is False and capsys.readouterr().out == ""  # no stage (c): nothing to decide
+    with pytest.raises(ValueError, match=r"--no-distill_bf16 set\(s\) a stage of --method transfer"):
+        parse_args([*argv, "--no-distill_bf16", "--method", "key"])
+    # a work folder started in bf16 is not continued in float32 on a machine without it
+    monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (True, "said"))
+    plan = pipeline.conversion_plan(pipeline.with_distill_precision(parse_args(argv)))
+    assert plan["distill_bf16"] is True
+    pipeline.claim_work_dir(tmp_path / "out", plan)
+    monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (False, "said"))
+    with pytest.raises(ValueError, match=r"distill_bf16: True then, False now\); rerun with those settings"):
+        pipeline.claim_work_dir(
+            tmp_path / "out", pipeline.conversion_plan(pipeline.with_distill_precision(parse_args(argv)))
+        )
 
 
 def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_path):

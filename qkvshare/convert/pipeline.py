@@ -3,6 +3,7 @@ checked by `qkvshare_settings.convert`): read the source and the calibration tex
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -21,7 +22,7 @@ from qkvshare.convert.distill import check_distill_memory, check_trainable_modul
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
 from qkvshare.convert.transfer import TransferSettings, check_activation_memory, measure_layer_errors
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
-from qkvshare.runtime import check_free_space, torch_dtype
+from qkvshare.runtime import check_free_space, native_bf16, torch_dtype
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.convert import ALL_PARAMETERS, RECORD_FILE, TRANSFER_DEFAULTS, ConvertArgs
 from qkvshare_settings.train import DistillSettings
@@ -39,6 +40,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         from qkvshare.convert import ConvertArgs, convert_checkpoint
         record = convert_checkpoint(ConvertArgs("SmolLM2-135M", "out/qv", "Q-K=V", method="transfer"))
     """
+    args = with_distill_precision(args)
     source_config = model_dir.read_source_config(args.source)
     config, method, query_method = plan_conversion(
         source_config, args.variant, args.method, args.query_method, **args.overrides
@@ -138,13 +140,31 @@ DISTILL_FLAGS |= {"hidden_weight": "distill_hidden_weight", "bf16": "distill_bf1
 DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
 
 
+def with_distill_precision(args: ConvertArgs) -> ConvertArgs:
+    """`args` with stage (c)'s precision decided (a copy; `args` is not changed): `distill_bf16` as given, else (None)
+    bf16 mixed precision where the device computes bf16 natively (`runtime.native_bf16`: as good as float32 and 1.8x
+    faster on a CPU with AVX512-BF16, docs/results.md section 11.3), float32 elsewhere; the choice is printed. The
+    decided value goes into the work folder's plan, so a conversion continues in the precision it started in."""
+    if args.distill_bf16 is not None or args.method != "transfer":
+        return args
+    decided = copy.copy(args)
+    decided.distill_bf16 = False
+    if args.distill_tokens > 0:
+        decided.distill_bf16, why = native_bf16()
+        how = "bf16 mixed precision" if decided.distill_bf16 else "float32"
+        other = "--no-distill_bf16 for float32" if decided.distill_bf16 else "--distill_bf16 forces bf16"
+        print(f"qkvshare convert: stage (c) in {how}: {why} ({other}).", flush=True)
+    return decided
+
+
 def transfer_settings(args: ConvertArgs) -> TransferSettings:
     """Stages (a) and (b) from the command's flags."""
     return TransferSettings(**{field: getattr(args, flag) for field, flag in TRANSFER_FLAGS.items()})
 
 
 def distill_settings(args: ConvertArgs) -> DistillSettings:
-    """Stage (c) from the command's flags."""
+    """Stage (c) from the command's flags (its precision decided by `with_distill_precision`)."""
+    args = with_distill_precision(args)
     patterns = args.distill_trainable_modules
     trainable = None if patterns == ALL_PARAMETERS else list(patterns)
     fields = {field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()}
@@ -159,6 +179,10 @@ def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
     return {"source": str(Path(args.source).expanduser().resolve())} | {key: getattr(args, key) for key in keys}
 
 
+# what a work folder written before a setting was recorded ran with, where that is not the setting's default now
+PLAN_DEFAULTS_BEFORE = {"distill_bf16": False}
+
+
 def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
     """The work folder of the conversion into `out`: new, or an interrupted one with the same plan (continued)."""
     work = files.work_dir_for(out)
@@ -166,7 +190,7 @@ def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
     if plan_file.is_file():
         saved = json.loads(plan_file.read_text())
         # a setting added since the folder was written (absent from it) ran at its default then
-        then = {k: saved.get(k, TRANSFER_DEFAULTS.get(k)) for k in plan}
+        then = {k: saved.get(k, PLAN_DEFAULTS_BEFORE.get(k, TRANSFER_DEFAULTS.get(k))) for k in plan}
         changed = [f"{k}: {then[k]!r} then, {v!r} now" for k, v in plan.items() if then[k] != v]
         if changed:
             raise ValueError(
