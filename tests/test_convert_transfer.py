@@ -530,16 +530,23 @@ def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monk
     assert decided.distill_bf16 is False and capsys.readouterr().out == ""  # no stage (c): nothing to decide
     with pytest.raises(ValueError, match=r"--no-distill_bf16 set\(s\) a stage of --method transfer"):
         parse_args([*argv, "--no-distill_bf16", "--method", "key"])
-    # a work folder started in bf16 is not continued in float32 on a machine without it
+    # an interrupted conversion continues in the precision it started in, whatever this device would choose
     monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (True, "said"))
     plan = pipeline.conversion_plan(pipeline.with_distill_precision(parse_args(argv)))
     assert plan["distill_bf16"] is True
-    pipeline.claim_work_dir(tmp_path / "out", plan)
+    work = pipeline.claim_work_dir(tmp_path / "out", plan)
     monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (False, "said"))
+    capsys.readouterr()
+    resumed = pipeline.with_distill_precision(parse_args(argv))
+    assert resumed.distill_bf16 is True
+    assert "stage (c) in bf16 mixed precision: as the interrupted conversion started" in capsys.readouterr().out
+    assert pipeline.claim_work_dir(tmp_path / "out", pipeline.conversion_plan(resumed)) == work
+    # forcing the other precision is refused, naming the setting; a folder from before the setting ran in float32
     with pytest.raises(ValueError, match=r"distill_bf16: True then, False now\); rerun with those settings"):
-        pipeline.claim_work_dir(
-            tmp_path / "out", pipeline.conversion_plan(pipeline.with_distill_precision(parse_args(argv)))
-        )
+        pipeline.claim_work_dir(tmp_path / "out", pipeline.conversion_plan(parse_args([*argv, "--no-distill_bf16"])))
+    (work / "plan.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "distill_bf16"}))
+    monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (True, "said"))
+    assert pipeline.with_distill_precision(parse_args(argv)).distill_bf16 is False
 
 
 def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_path):

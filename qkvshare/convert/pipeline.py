@@ -142,15 +142,20 @@ DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
 
 def with_distill_precision(args: ConvertArgs) -> ConvertArgs:
     """`args` with stage (c)'s precision decided (a copy; `args` is not changed): `distill_bf16` as given, else (None)
-    bf16 mixed precision where the device computes bf16 natively (`runtime.native_bf16`: as good as float32 and 1.8x
-    faster on a CPU with AVX512-BF16, docs/results.md section 11.3), float32 elsewhere; the choice is printed. The
-    decided value goes into the work folder's plan, so a conversion continues in the precision it started in."""
+    the precision an interrupted conversion into the same folder started in (its work folder's plan), else bf16 mixed
+    precision where the device computes bf16 natively (`runtime.native_bf16`: as good as float32 and 1.5-1.8x faster
+    on a CPU with AVX512-BF16, docs/results.md section 11.3), float32 elsewhere; the choice is printed. The decided
+    value goes into the work folder's plan."""
     if args.distill_bf16 is not None or args.method != "transfer":
         return args
     decided = copy.copy(args)
     decided.distill_bf16 = False
     if args.distill_tokens > 0:
-        decided.distill_bf16, why = native_bf16()
+        started = started_precision(Path(args.output_dir).expanduser())
+        if started is not None:
+            decided.distill_bf16, why = started, "as the interrupted conversion started"
+        else:
+            decided.distill_bf16, why = native_bf16()
         how = "bf16 mixed precision" if decided.distill_bf16 else "float32"
         other = "--no-distill_bf16 for float32" if decided.distill_bf16 else "--distill_bf16 forces bf16"
         print(f"qkvshare convert: stage (c) in {how}: {why} ({other}).", flush=True)
@@ -181,6 +186,14 @@ def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
 
 # what a work folder written before a setting was recorded ran with, where that is not the setting's default now
 PLAN_DEFAULTS_BEFORE = {"distill_bf16": False}
+
+
+def started_precision(out: Path) -> bool | None:
+    """Stage (c)'s precision (`distill_bf16`) in the plan of an interrupted conversion into `out`; None without one."""
+    plan_file = files.work_dir_for(out) / "plan.json"
+    if not plan_file.is_file():
+        return None
+    return bool(json.loads(plan_file.read_text()).get("distill_bf16", PLAN_DEFAULTS_BEFORE["distill_bf16"]))
 
 
 def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
