@@ -595,6 +595,7 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
     assert qkvshare_cli.main(argv) == 130  # Ctrl-C: "qkvshare convert: interrupted.", what was saved stays
     work = tmp_path / ".resumed.qkvshare-convert"
     assert not out.exists() and (work / "plan.json").is_file()
+    assert json.loads((work / "plan.json").read_text())["distill_bf16"] is False  # decided before the plan is written
     assert (work / "stages" / "transfer" / "layer-000.safetensors").is_file()  # layer 0 finished before the kill
     # Other settings do not continue it.
     assert qkvshare_cli.main([*argv[:-2], "--seed", "4"]) == 2

@@ -151,9 +151,9 @@ def with_distill_precision(args: ConvertArgs) -> ConvertArgs:
     decided = copy.copy(args)
     decided.distill_bf16 = False
     if args.distill_tokens > 0:
-        started = started_precision(Path(args.output_dir).expanduser())
+        started = saved_plan(Path(args.output_dir))
         if started is not None:
-            decided.distill_bf16, why = started, "as the interrupted conversion started"
+            decided.distill_bf16, why = bool(started["distill_bf16"]), "as the interrupted conversion started"
         else:
             decided.distill_bf16, why = native_bf16()
         how = "bf16 mixed precision" if decided.distill_bf16 else "float32"
@@ -188,22 +188,21 @@ def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
 PLAN_DEFAULTS_BEFORE = {"distill_bf16": False}
 
 
-def started_precision(out: Path) -> bool | None:
-    """Stage (c)'s precision (`distill_bf16`) in the plan of an interrupted conversion into `out`; None without one."""
+def saved_plan(out: Path) -> dict[str, Any] | None:
+    """The plan of an interrupted conversion into `out` (None without one); a setting added since its folder was
+    written (absent from it) at what it ran with then: `PLAN_DEFAULTS_BEFORE`, else its default."""
     plan_file = files.work_dir_for(out) / "plan.json"
     if not plan_file.is_file():
         return None
-    return bool(json.loads(plan_file.read_text()).get("distill_bf16", PLAN_DEFAULTS_BEFORE["distill_bf16"]))
+    return TRANSFER_DEFAULTS | PLAN_DEFAULTS_BEFORE | json.loads(plan_file.read_text())
 
 
 def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
     """The work folder of the conversion into `out`: new, or an interrupted one with the same plan (continued)."""
     work = files.work_dir_for(out)
-    plan_file = work / "plan.json"
-    if plan_file.is_file():
-        saved = json.loads(plan_file.read_text())
-        # a setting added since the folder was written (absent from it) ran at its default then
-        then = {k: saved.get(k, PLAN_DEFAULTS_BEFORE.get(k, TRANSFER_DEFAULTS.get(k))) for k in plan}
+    saved = saved_plan(out)
+    if saved is not None:
+        then = {k: saved.get(k) for k in plan}
         changed = [f"{k}: {then[k]!r} then, {v!r} now" for k, v in plan.items() if then[k] != v]
         if changed:
             raise ValueError(
@@ -213,7 +212,7 @@ def claim_work_dir(out: Path, plan: dict[str, Any]) -> Path:
         print(f"qkvshare convert: continuing the interrupted conversion saved in {work}", flush=True)
         return work
     work.mkdir(parents=True, exist_ok=True)
-    plan_file.write_text(json.dumps(plan, indent=2))
+    (work / "plan.json").write_text(json.dumps(plan, indent=2))
     return work
 
 
