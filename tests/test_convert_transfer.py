@@ -539,7 +539,8 @@ def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monk
     capsys.readouterr()
     resumed = pipeline.with_distill_precision(parse_args(argv))
     assert resumed.distill_bf16 is True
-    assert "stage (c) in bf16 mixed precision: as the interrupted conversion started" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"stage (c) in bf16 mixed precision: as the interrupted conversion started (delete {work} to choose" in said
     assert pipeline.claim_work_dir(tmp_path / "out", pipeline.conversion_plan(resumed)) == work
     # forcing the other precision is refused, naming the setting; a folder from before the setting ran in float32
     with pytest.raises(ValueError, match=r"distill_bf16: True then, False now\); rerun with those settings"):

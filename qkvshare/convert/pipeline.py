@@ -151,14 +151,16 @@ def with_distill_precision(args: ConvertArgs) -> ConvertArgs:
     decided = copy.copy(args)
     decided.distill_bf16 = False
     if args.distill_tokens > 0:
-        started = saved_plan(Path(args.output_dir))
+        out = Path(args.output_dir)
+        started = saved_plan(out)
         if started is not None:
-            decided.distill_bf16, why = bool(started["distill_bf16"]), "as the interrupted conversion started"
+            decided.distill_bf16 = bool(started["distill_bf16"])
+            why = f"as the interrupted conversion started (delete {files.work_dir_for(out)} to choose again)"
         else:
             decided.distill_bf16, why = native_bf16()
+            why += " (--no-distill_bf16 for float32)" if decided.distill_bf16 else " (--distill_bf16 forces bf16)"
         how = "bf16 mixed precision" if decided.distill_bf16 else "float32"
-        other = "--no-distill_bf16 for float32" if decided.distill_bf16 else "--distill_bf16 forces bf16"
-        print(f"qkvshare convert: stage (c) in {how}: {why} ({other}).", flush=True)
+        print(f"qkvshare convert: stage (c) in {how}: {why}.", flush=True)
     return decided
 
 
