@@ -504,6 +504,28 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     assert "stage (c) in float32: no bf16 on the test machine (--distill_bf16 forces bf16)." in printed
 
 
+def test_ctrl_c_in_stage_c_exits_130_and_the_same_command_continues(source_dir, corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in stage (c) exited 1 ("stopped") where Ctrl-C in stages (a)-(b) exits 130: the status is now the
+    training run's, 128 + the signal, and the same command continues from the checkpoint it saved."""
+    import signal
+
+    import qkvshare_cli
+    from qkvshare.train import pretrain
+
+    agreed = pretrain.StopRequest.agreed
+    monkeypatch.setattr(pretrain.StopRequest, "agreed", lambda self, accelerator: signal.SIGINT)
+    out = tmp_path / "out"
+    argv = convert_argv(source_dir, corpus, out, "--distill_tokens", "256")
+    assert qkvshare_cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "SIGINT received: stopped after step 1 of" in err and "rerun the same conversion to continue" in err, err
+    work = tmp_path / ".out.qkvshare-convert"
+    assert not out.exists() and (work / "distill" / "checkpoints" / "checkpoint-1").is_dir()
+    monkeypatch.setattr(pretrain.StopRequest, "agreed", agreed)
+    assert qkvshare_cli.main(argv) == 0
+    assert json.loads((out / "conversion.json").read_text())["stages"]["distill"]["tokens"] >= 256
+
+
 def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monkeypatch, capsys):
     """No --distill_bf16: bf16 mixed precision where the device computes bf16 natively, float32 elsewhere, said on
     stdout and kept in the work folder's plan (a conversion continues in the precision it started in)."""

@@ -255,7 +255,8 @@ def distil(
     except CommandStopped as err:
         raise DistillationStopped(
             f"the distillation stage stopped ({getattr(err, 'reason', err)}); rerun the same conversion to continue "
-            "from its last checkpoint."
+            "from its last checkpoint.",
+            err.exit_status,
         ) from err
     distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference, _ = reference_log_probs(source, validation, dtype=torch.float32, progress=None)
@@ -287,7 +288,13 @@ def self_text_stage(self_text: Any) -> dict[str, Any]:
 
 
 class DistillationStopped(CommandStopped):
-    """Stage (c)'s training run stopped (a signal, a full disk, a diverged loss); rerunning continues it."""
+    """Stage (c)'s training run stopped (a signal, a full disk, a diverged loss); rerunning continues it. The exit
+    status is the training run's: 128 + the signal for SIGTERM or Ctrl-C (130, as Ctrl-C in the other stages), 1
+    otherwise."""
+
+    def __init__(self, message: str, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 # The stages the summary times (summed over the runs of a resumed conversion), in order, by the record's names.
