@@ -90,6 +90,13 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--budget_choice", default="kl", choices=BUDGET_CHOICES, help="how a budget ranks the layers to tie")
     p.add_argument("--self_text_tokens", type=int, default=None, help="tokens of the source's own text (each mix)")
+    p.add_argument(
+        "--self_text_bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the source's own text written by a bf16 copy of its weights, or float32 with --no-self_text_bf16 "
+        "(default: as OUT/self-text was started, else convert's choice for the device)",
+    )
     p.add_argument("--measure_args", nargs=argparse.REMAINDER, default=[], help="passed to convert_knowledge.py")
     return p.parse_args()
 
@@ -155,6 +162,7 @@ class Maker:
             calibration_text=text,
             self_text_dir=str(self.self_text_dir),
             self_text_tokens=a.self_text_tokens if "self" in text else None,
+            self_text_bf16=a.self_text_bf16 if "self" in text else None,
             calibration_tokens=a.calibration_tokens,
             validation_tokens=a.validation_tokens,
             transfer_steps=a.transfer_steps,
@@ -282,6 +290,7 @@ class Maker:
             "Q-K=V",
             method="transfer",
             self_text_dir=str(self.self_text_dir),
+            self_text_bf16=self.args.self_text_bf16,
             overwrite_output_dir=True,
         )
         record = convert_checkpoint(args)

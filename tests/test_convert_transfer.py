@@ -30,12 +30,15 @@ train_main = command("train")
 
 
 @pytest.fixture(autouse=True)
-def _stage_c_in_float32(monkeypatch):
-    """Stage (c)'s default precision follows the device (`runtime.native_bf16`); the suite runs it in float32 on
-    every machine, and `test_stage_c_precision_follows_the_device` tests the choice."""
+def _float32_by_default(monkeypatch):
+    """Stage (c)'s and the source's text's default precision follow the device (`runtime.native_bf16`); the suite
+    runs them in float32 on every machine, and `test_stage_c_precision_follows_the_device` and
+    `test_the_source_writes_its_text_in_bf16_where_the_device_computes_it` test the choices."""
     import qkvshare.convert.pipeline as pipeline
+    import qkvshare.convert.text as text
 
     monkeypatch.setattr(pipeline, "native_bf16", lambda device=None: (False, "no bf16 on the test machine"))
+    monkeypatch.setattr(text, "native_bf16", lambda device=None: (False, "no bf16 on the test machine"))
 
 
 def llama(kv_heads: int = 2, seed: int = 0, layers: int = 2, **overrides) -> LlamaForCausalLM:
@@ -875,6 +878,39 @@ def test_cli_transfer_on_the_sources_own_text_keeps_and_reuses_it(long_source_di
     assert reused == made | {"new_tokens_now": 0}  # the text's time is the shards' own, however they were made
     a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict() for name in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a) and SHARD.format(0) in written
+
+
+def test_the_source_writes_its_text_in_bf16_where_the_device_computes_it(
+    long_source_dir, corpus, tmp_path, capsys, monkeypatch
+):
+    """No --self_text_bf16: a bf16 copy of the source's weights writes the text where the device computes bf16
+    natively; a text folder already started continues as it started, whatever the device; forcing the other
+    precision on it is refused before any generation, naming the setting."""
+    import qkvshare.convert.text as text
+    import qkvshare_cli
+
+    kept = tmp_path / "self-text"
+    monkeypatch.setattr(text, "native_bf16", lambda device=None: (True, "said"))
+    argv = self_text_argv(long_source_dir, corpus, tmp_path / "a", "--self_text_dir", str(kept))
+    assert qkvshare_cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "the source writes its text with a bf16 copy of its weights: said (--no-self_text_bf16 for its" in said
+    assert json.loads((kept / "manifest.json").read_text())["settings"]["bf16"] is True
+    written = {path.name: path.read_bytes() for path in sorted(kept.glob("shard-*.json"))}
+    monkeypatch.setattr(text, "native_bf16", lambda device=None: (False, "said"))
+    assert qkvshare_cli.main(self_text_argv(long_source_dir, corpus, tmp_path / "b", "--self_text_dir", str(kept))) == 0
+    said = capsys.readouterr().out
+    assert f"with a bf16 copy of its weights: as the text in {kept} was started (another --self_text_dir to" in said
+    assert {path.name: path.read_bytes() for path in sorted(kept.glob("shard-*.json"))} == written
+    argv = self_text_argv(long_source_dir, corpus, tmp_path / "c", "--self_text_dir", str(kept), "--no-self_text_bf16")
+    assert qkvshare_cli.main(argv) == 2
+    assert "(settings.bf16: True then, False now); generate with those" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    # the flag needs text the source writes
+    argv = convert_argv(long_source_dir, corpus, tmp_path / "d", "--self_text_bf16")
+    assert qkvshare_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--self_text_bf16 says how the source writes its text, but --calibration_text is file: add self" in err
 
 
 def test_cli_self_text_is_refused_when_the_source_has_no_room_for_it(source_dir, corpus, tmp_path, capsys):

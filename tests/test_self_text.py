@@ -4,6 +4,7 @@ models with a small BPE tokenizer that has a chat template; fp32, CPU."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -238,3 +239,75 @@ def test_sampling_stays_in_the_exact_nucleus(vocab):
     rows = [self_text._Row(plan, [1], torch.Generator().manual_seed(k)) for k in range(200)]
     picks = sampler(logits.expand(200, vocab), rows)
     assert max(picks) < nucleus and len(set(picks)) > min(20, nucleus // 4)
+
+
+def test_bf16_writes_what_the_model_loaded_in_bf16_writes_and_leaves_the_model_as_it_is(model, tokenizer, tmp_path):
+    """`bf16=True` generates with a bf16 copy of the weights: token for token what transformers' own bf16 load of the
+    same weights generates, while the model passed in keeps its float32 weights and its identity."""
+    from transformers import AutoModelForCausalLM
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = SelfTextSettings(seed=3, **FAST)
+    in_bf16 = dataclasses.replace(settings, bf16=True)
+    bf16 = generate_self_text(model, tokenizer, in_bf16, None, 150, progress=False)
+    copy.deepcopy(model).save_pretrained(tmp_path / "m")  # saving writes into the config: not the shared model's
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    reference = generate_self_text(loaded, tokenizer, settings, None, 150, progress=False)
+    assert ids_of(bf16) == ids_of(reference) and bf16.settings == in_bf16
+    assert all(torch.equal(before[k], v) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+    assert bf16.source == self_text.source_identity(model, tokenizer)  # the text is the float32 source's, in bf16
+
+
+def test_bf16_copy_keeps_tied_weights_tied_and_buffers_as_they_are(tokenizer):
+    source = tiny_llama(tokenizer)
+    source.config.tie_word_embeddings = True
+    source.tie_weights()
+    assert source.lm_head.weight is source.model.embed_tokens.weight
+    copied = self_text.bf16_copy(source)
+    assert copied.lm_head.weight is copied.model.embed_tokens.weight
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copied.parameters())
+    assert source.model.embed_tokens.weight.dtype == torch.float32
+    assert {k: b.dtype for k, b in copied.named_buffers()} == {k: b.dtype for k, b in source.named_buffers()}
+    assert self_text._copied_bytes(source) == 2 * sum(p.numel() for p in source.parameters())  # tied: counted once
+    assert self_text.bf16_copy(copied) is copied  # already bf16: no second copy
+
+
+def test_the_precision_is_part_of_the_folder_and_a_folder_from_before_it_continues_in_float32(
+    model, tokenizer, tmp_path
+):
+    settings = SelfTextSettings(seed=1, **FAST)
+    first = generate_self_text(model, tokenizer, settings, tmp_path, 40, progress=False)
+    manifest = tmp_path / "manifest.json"
+    held = json.loads(manifest.read_text())
+    assert held["settings"]["bf16"] is False and self_text.folder_settings(tmp_path)["bf16"] is False
+    del held["settings"]["bf16"]  # a folder written before the setting existed
+    manifest.write_text(json.dumps(held))
+    assert self_text.folder_settings(tmp_path)["bf16"] is False
+    again = generate_self_text(model, tokenizer, settings, tmp_path, 80, progress=False)
+    assert ids_of(again)[: len(first.samples)] == ids_of(first)
+    with pytest.raises(ValueError, match=r"other settings or another source \(settings.bf16: False then, True now"):
+        generate_self_text(model, tokenizer, dataclasses.replace(settings, bf16=True), tmp_path, 80, progress=False)
+    assert self_text.folder_settings(tmp_path / "none") is None
+
+
+def test_bf16_counts_its_copy_of_the_weights_in_the_memory_check(model, tokenizer, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    settings = SelfTextSettings(**FAST)
+    in_bf16 = dataclasses.replace(settings, bf16=True)
+    copy.deepcopy(model).save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    # the same bf16 cache and buffers as a model loaded in bf16, plus the copy of the weights (2 bytes each)
+    extra = self_text.generation_memory(model, in_bf16, 50, 1000) - self_text.generation_memory(
+        loaded, settings, 50, 1000
+    )
+    assert extra == 2 * sum(p.numel() for p in model.parameters()) > 0
+    assert self_text.generation_memory(loaded, in_bf16, 50, 1000) == self_text.generation_memory(
+        loaded, settings, 50, 1000
+    )
+    monkeypatch.setattr(self_text, "available_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match=r"besides the model \(its bf16 copy of the weights included: bf16=False"):
+        generate_self_text(model, tokenizer, in_bf16, None, 20, progress=False)
+    with pytest.raises(ValueError, match=r"besides the model, more than"):
+        generate_self_text(model, tokenizer, settings, None, 20, progress=False)

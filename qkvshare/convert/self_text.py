@@ -54,6 +54,15 @@ Determinism, shards and resume
 - A request for N tokens returns the first shards whose samples hold at least N tokens (a document's tokens: the
   chat prompt with its template, or the continuation); a larger request later extends the same sequence.
 
+Precision: with `bf16`, a copy of the model whose weights are bfloat16 (`bf16_copy`: tied weights stay tied,
+buffers such as the rotary frequencies stay as they are, as transformers' own `dtype=torch.bfloat16` load has them;
+only the bf16 weights are allocated, and counted in the memory check) writes the text, and the model passed in is
+left as it is. A decode step streams every weight for a batch of a few tokens, so halving the bytes of the weights
+and of the KV cache about halves its time where the device computes bf16 natively (a CPU with AVX512-BF16 or AMX, a
+GPU; `benchmarks/self_text_precision.py`). The text is then the bf16-rounded source's: another sample than float32's
+for the same seed, of (nearly) the same distribution. `bf16` is a setting, recorded in the work folder like the
+others (a folder from before it was recorded is float32's, `SETTINGS_BEFORE`).
+
 Splits: a sample is in `validation` or `train`: among the samples of each kind, `validation_fraction` of them,
 spread evenly (every tenth by default). The chat prompts are split too, by a hash of their text, and a validation
 sample answers a validation prompt, so no prompt is answered in both splits. No stage should fit the validation split.
@@ -80,6 +89,7 @@ half, max_new_tokens 256): per CPU-second 33, 44, 55 and 61 tokens at batch 16, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -155,6 +165,10 @@ class SelfTextSettings:
     continuations had 13 distinct starts, against 32 for "uniform")."""
     validation_fraction: float = 0.1
     """Share of the samples (and of the chat prompts) in the validation split; in [0, 0.5]."""
+    bf16: bool = False
+    """Generate with a bfloat16 copy of the model's weights (`bf16_copy`; the model itself is left as it is): about
+    twice as fast on a CPU with bf16 instructions (AVX512-BF16, AMX) or a GPU, and the text of the source rounded to
+    bf16, so another text than float32's for the same seed. Off: the model as it is."""
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
@@ -193,6 +207,11 @@ class SelfTextSettings:
             number("validation_fraction") and 0 <= self.validation_fraction <= 0.5,
             "a number in [0, 0.5]",
         )
+        check("bf16", isinstance(self.bf16, bool), "True or False")
+
+
+# The settings added since work folders were first written, at what those folders were generated with.
+SETTINGS_BEFORE = {"bf16": False}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -774,10 +793,22 @@ def _differences(held: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
         out.append(f"format {held.get('format')} then, {wanted['format']} now")
     for group in ("settings", "source"):
         old, new = held.get(group, {}), wanted[group]
+        if group == "settings":
+            old = SETTINGS_BEFORE | old
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 out.append(f"{group}.{key}: {old.get(key)!r} then, {new.get(key)!r} now")
     return out
+
+
+def folder_settings(work_dir: str | Path) -> dict[str, Any] | None:
+    """The settings the text in `work_dir` was generated with (a setting added since its folder was written at what
+    it ran with then, `SETTINGS_BEFORE`), or None where it holds no readable manifest."""
+    try:
+        held = json.loads((Path(work_dir) / MANIFEST).read_text(encoding="utf-8"))
+        return SETTINGS_BEFORE | held["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _environment() -> dict[str, Any]:
@@ -889,20 +920,42 @@ def _duration(seconds: float) -> str:
 
 def generation_memory(model: Any, settings: SelfTextSettings, prompt_tokens: int, tokens: int) -> int:
     """Estimated peak bytes of generating `tokens` tokens (beyond the weights): the KV cache of a full batch at
-    its longest, the prefill's activations, the sampling buffers and the text held in memory."""
+    its longest, the prefill's activations, the sampling buffers and the text held in memory; with `settings.bf16`,
+    the bf16 copy of the weights too."""
     c = model.config
     layers = c.num_hidden_layers
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    element = next(model.parameters()).element_size()
+    element = 2 if settings.bf16 else next(model.parameters()).element_size()
+    weights = _copied_bytes(model) if settings.bf16 else 0
     b, length = settings.batch_size, prompt_tokens + settings.max_new_tokens
     kv = 2 * b * length * layers * kv_heads * head_dim * element
     kv = int(kv * 1.5)  # the cache grows by concatenation: a layer's old and new tensors coexist
     prefill = b * prompt_tokens * (6 * c.hidden_size + 3 * c.intermediate_size) * 4
     prefill += b * heads * prompt_tokens * prompt_tokens * 4
     sampling = b * c.vocab_size * 4 * 10  # logits, penalties, probabilities, the sort (values and int64 order), noise
-    return kv + prefill + sampling + tokens * TEXT_BYTES_PER_TOKEN
+    return weights + kv + prefill + sampling + tokens * TEXT_BYTES_PER_TOKEN
+
+
+def _copied_bytes(model: Any) -> int:
+    """What `bf16_copy(model)` allocates: 2 bytes a floating-point parameter not already in bf16 (tied ones once)."""
+    return sum(2 * p.numel() for p in model.parameters() if p.is_floating_point() and p.dtype != torch.bfloat16)
+
+
+def bf16_copy(model: Any) -> Any:
+    """A copy of `model` for generation whose floating-point parameters are bfloat16 (tied parameters stay tied),
+    without gradients; buffers (e.g. the rotary frequencies) stay as they are, as when transformers loads a model
+    with `dtype=torch.bfloat16`. Only the bf16 weights are allocated (never a float32 copy first). A model already in
+    bf16 is returned as it is."""
+    params = dict(model.named_parameters())
+    if all(not p.is_floating_point() or p.dtype == torch.bfloat16 for p in params.values()):
+        return model
+    memo: dict[int, Any] = {}
+    for p in params.values():  # named_parameters lists a tied parameter once: the copy ties it too
+        data = p.detach().to(torch.bfloat16) if p.is_floating_point() else p.detach().clone()
+        memo[id(p)] = torch.nn.Parameter(data, requires_grad=False)
+    return copy.deepcopy(model, memo).eval()
 
 
 def estimate_self_text(
@@ -935,9 +988,11 @@ def _estimate(
     probe: bool,
     refuse: bool = False,
     max_seconds: float | None = None,
+    generator: Callable[[], Any] | None = None,
 ) -> SelfTextEstimate:
     """The estimate; with `refuse`, a request that does not fit the memory or the disk is refused before the probe
-    runs, and one that would take more than `max_seconds` after it."""
+    runs, and one that would take more than `max_seconds` after it. The probe times `generator()`, the model that
+    generates (`model`, or its bf16 copy, made once the memory is known to hold it)."""
     context = _Context(model, tokenizer, s, chat)
     cached, first_missing = 0, 0
     while cached < tokens:
@@ -962,9 +1017,9 @@ def _estimate(
         disk_free_bytes=free_bytes(folder.path) if folder.path is not None else None,
     )
     if refuse:
-        _check_memory_and_disk(estimate)
+        _check_memory_and_disk(estimate, s)
     if rate == 0.0 and probe and missing:
-        rate = _probe_rate(model, context, first_missing)
+        rate = _probe_rate(generator() if generator else _generating_model(model, s), context, first_missing)
         estimate = dataclasses.replace(estimate, tokens_per_second=rate, seconds=missing / rate)
     if refuse:
         _check_time(estimate, max_seconds)
@@ -1055,13 +1110,14 @@ def _use_chat(tokenizer: Any, s: SelfTextSettings, warn: bool = True) -> bool:
     return False
 
 
-def _check_memory_and_disk(estimate: SelfTextEstimate) -> None:
+def _check_memory_and_disk(estimate: SelfTextEstimate, s: SelfTextSettings) -> None:
     available = estimate.available_bytes
     if available is not None and estimate.memory_bytes > MEMORY_SHARE * available:
+        copy = " (its bf16 copy of the weights included: bf16=False needs none)" if s.bf16 else ""
         raise ValueError(
             f"self text: generating {estimate.tokens:,} tokens needs about {_size(estimate.memory_bytes)} of memory "
-            f"besides the model, more than {MEMORY_SHARE:.0%} of the {_size(available)} available: lower batch_size "
-            "or max_new_tokens, or ask for fewer tokens."
+            f"besides the model{copy}, more than {MEMORY_SHARE:.0%} of the {_size(available)} available: lower "
+            "batch_size or max_new_tokens, or ask for fewer tokens."
         )
     free = estimate.disk_free_bytes
     if free is not None and estimate.disk_bytes > free:
@@ -1108,15 +1164,28 @@ def generate_self_text(
     folder = _Folder(Path(work_dir) if work_dir is not None else None, settings, identity)
     was_training = model.training
     model.eval()
+    made: list[Any] = []
+
+    def generator() -> Any:  # the model that generates, made at most once, after the memory check
+        if not made:
+            made.append(_generating_model(model, settings))
+        return made[0]
+
     try:
-        estimate = _estimate(model, tokenizer, settings, tokens, folder, chat, True, True, max_seconds)
-        if estimate.cached_tokens < tokens:
-            logger.info(estimate.summary())
-            if progress:
-                print(estimate.summary(), file=sys.stderr, flush=True)
-        return _run(model, tokenizer, settings, folder, tokens, chat, identity, estimate, progress, on_shard)
+        estimate = _estimate(model, tokenizer, settings, tokens, folder, chat, True, True, max_seconds, generator)
+        if estimate.cached_tokens >= tokens:
+            return _run(model, tokenizer, settings, folder, tokens, chat, identity, estimate, progress, on_shard)
+        logger.info(estimate.summary())
+        if progress:
+            print(estimate.summary(), file=sys.stderr, flush=True)
+        return _run(generator(), tokenizer, settings, folder, tokens, chat, identity, estimate, progress, on_shard)
     finally:
+        made.clear()
         model.train(was_training)
+
+
+def _generating_model(model: Any, settings: SelfTextSettings) -> Any:
+    return bf16_copy(model) if settings.bf16 else model
 
 
 def _run(
@@ -1179,7 +1248,9 @@ __all__ = [
     "SelfTextEstimate",
     "SelfTextSettings",
     "Sample",
+    "bf16_copy",
     "estimate_self_text",
+    "folder_settings",
     "generate_self_text",
     "generation_memory",
     "instruction_topics",

@@ -22,7 +22,14 @@ from typing import Any
 
 from qkvshare.convert import data
 from qkvshare.convert.calibration import calibration_texts
-from qkvshare.convert.self_text import SelfText, SelfTextSettings, generate_self_text, room_for_new_tokens
+from qkvshare.convert.self_text import (
+    SelfText,
+    SelfTextSettings,
+    folder_settings,
+    generate_self_text,
+    room_for_new_tokens,
+)
+from qkvshare.runtime import native_bf16
 from qkvshare_settings.convert import ConvertArgs, text_sources
 
 SPLITS = ("train", "validation")
@@ -83,13 +90,32 @@ def read_calibration_text(args: ConvertArgs) -> CalibrationText:
     return text
 
 
-def self_text_settings(args: ConvertArgs, model: Any, tokenizer: Any) -> SelfTextSettings:
+def self_text_bf16(args: ConvertArgs, folder: Path) -> bool:
+    """Whether the source writes its text with a bf16 copy of its weights: `--self_text_bf16` as given, else (None)
+    as the text already in `folder` was written (a folder from before the setting: float32), else where the device
+    computes bf16 natively (`runtime.native_bf16`: about twice as fast on a CPU with AVX512-BF16, docs/results.md
+    section 11.3). The choice is printed."""
+    if args.self_text_bf16 is not None:
+        return args.self_text_bf16
+    held = folder_settings(folder)
+    if held is not None:
+        bf16, why = bool(held["bf16"]), f"as the text in {folder} was started (another --self_text_dir to choose again)"
+    else:
+        bf16, why = native_bf16()
+        why += " (--no-self_text_bf16 for its float32 weights)" if bf16 else " (--self_text_bf16 forces bf16)"
+    how = "a bf16 copy of its weights" if bf16 else "its float32 weights"
+    print(f"qkvshare convert: the source writes its text with {how}: {why}.", flush=True)
+    return bf16
+
+
+def self_text_settings(args: ConvertArgs, model: Any, tokenizer: Any, bf16: bool = False) -> SelfTextSettings:
     """How the source writes its text for this conversion: the defaults, with the conversion's seed, a validation
-    share as large as the validation tokens are of what the stages read (so the split holds enough of them), and
-    samples no longer than the source's positions allow after its longest prompt. A source with too few positions
-    for that is refused, naming the other texts."""
+    share as large as the validation tokens are of what the stages read (so the split holds enough of them), samples
+    no longer than the source's positions allow after its longest prompt, and `bf16` (`self_text_bf16`). A source
+    with too few positions for that is refused, naming the other texts."""
     needed = args.calibration_tokens + args.validation_tokens
-    base = SelfTextSettings(seed=args.seed, validation_fraction=min(0.5, max(0.05, args.validation_tokens / needed)))
+    validation_fraction = min(0.5, max(0.05, args.validation_tokens / needed))
+    base = SelfTextSettings(seed=args.seed, validation_fraction=validation_fraction, bf16=bf16)
     room = room_for_new_tokens(model, tokenizer, base)
     if room is None or room >= base.max_new_tokens:
         return base
@@ -121,5 +147,5 @@ def add_self_text(text: CalibrationText, args: ConvertArgs, model: Any, tokenize
     generation when it would not fit the memory or the disk (`self_text.estimate_self_text`), shown with a progress
     bar and its tokens/s, resumable shard by shard."""
     if "self" in text.sources:
-        settings = self_text_settings(args, model, tokenizer)
+        settings = self_text_settings(args, model, tokenizer, self_text_bf16(args, folder))
         text.self_text = generate_self_text(model, tokenizer, settings, folder, self_text_tokens(args))
