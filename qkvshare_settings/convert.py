@@ -339,9 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--self_text_bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the source writes its text with a bf16 copy of its weights (about 2x faster where the device computes "
-        "bf16 natively; the text of the source rounded to bf16), or with --no-self_text_bf16 with its weights as "
-        "loaded (default: as the text already in the folder was written, else bf16 where the device computes it "
+        help="the source writes its text with a bf16 copy of its weights (1.45x as fast on a CPU with AVX512-BF16 "
+        "and AMX; the text of the source rounded to bf16), or with --no-self_text_bf16 with its weights as loaded "
+        "(default: as the text already in the folder was written, else bf16 where the source's device computes it "
         "natively: GPUs, CPUs with AVX512-BF16, AMX or Arm BF16)",
     )
     t = TRANSFER_DEFAULTS

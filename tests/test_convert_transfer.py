@@ -890,11 +890,11 @@ def test_the_source_writes_its_text_in_bf16_where_the_device_computes_it(
     import qkvshare_cli
 
     kept = tmp_path / "self-text"
-    monkeypatch.setattr(text, "native_bf16", lambda device=None: (True, "said"))
+    monkeypatch.setattr(text, "native_bf16", lambda device=None: (True, f"said for {device}"))
     argv = self_text_argv(long_source_dir, corpus, tmp_path / "a", "--self_text_dir", str(kept))
     assert qkvshare_cli.main(argv) == 0
-    said = capsys.readouterr().out
-    assert "the source writes its text with a bf16 copy of its weights: said (--no-self_text_bf16 for its" in said
+    said = capsys.readouterr().out  # asked about the source's device, where the text is written
+    assert "the source writes its text with a bf16 copy of its weights: said for cpu (--no-self_text_bf16 for" in said
     assert json.loads((kept / "manifest.json").read_text())["settings"]["bf16"] is True
     written = {path.name: path.read_bytes() for path in sorted(kept.glob("shard-*.json"))}
     monkeypatch.setattr(text, "native_bf16", lambda device=None: (False, "said"))

@@ -58,8 +58,9 @@ Precision: with `bf16`, a copy of the model whose weights are bfloat16 (`bf16_co
 buffers such as the rotary frequencies stay as they are, as transformers' own `dtype=torch.bfloat16` load has them;
 only the bf16 weights are allocated, and counted in the memory check) writes the text, and the model passed in is
 left as it is. A decode step streams every weight for a batch of a few tokens, so halving the bytes of the weights
-and of the KV cache about halves its time where the device computes bf16 natively (a CPU with AVX512-BF16 or AMX, a
-GPU; `benchmarks/self_text_precision.py`). The text is then the bf16-rounded source's: another sample than float32's
+and of the KV cache shortens it where the device computes bf16 natively (a CPU with AVX512-BF16 or AMX, a GPU): on
+SmolLM2-135M, 2.1x for the model's decode steps alone and 1.45x for whole shards, whose sampling and prefill the
+precision does not change (`benchmarks/self_text_precision.py`). The text is then the bf16-rounded source's: another sample than float32's
 for the same seed, of (nearly) the same distribution. `bf16` is a setting, recorded in the work folder like the
 others (a folder from before it was recorded is float32's, `SETTINGS_BEFORE`).
 
@@ -166,9 +167,9 @@ class SelfTextSettings:
     validation_fraction: float = 0.1
     """Share of the samples (and of the chat prompts) in the validation split; in [0, 0.5]."""
     bf16: bool = False
-    """Generate with a bfloat16 copy of the model's weights (`bf16_copy`; the model itself is left as it is): about
-    twice as fast on a CPU with bf16 instructions (AVX512-BF16, AMX) or a GPU, and the text of the source rounded to
-    bf16, so another text than float32's for the same seed. Off: the model as it is."""
+    """Generate with a bfloat16 copy of the model's weights (`bf16_copy`; the model itself is left as it is): 1.45x
+    as fast on a CPU with bf16 instructions (AVX512-BF16, AMX; SmolLM2-135M, whole shards), and the text of the
+    source rounded to bf16, so another text than float32's for the same seed. Off: the model as it is."""
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:

@@ -90,18 +90,18 @@ def read_calibration_text(args: ConvertArgs) -> CalibrationText:
     return text
 
 
-def self_text_bf16(args: ConvertArgs, folder: Path) -> bool:
+def self_text_bf16(args: ConvertArgs, folder: Path, device: str = "cpu") -> bool:
     """Whether the source writes its text with a bf16 copy of its weights: `--self_text_bf16` as given, else (None)
-    as the text already in `folder` was written (a folder from before the setting: float32), else where the device
-    computes bf16 natively (`runtime.native_bf16`: about twice as fast on a CPU with AVX512-BF16, docs/results.md
-    section 11.3). The choice is printed."""
+    as the text already in `folder` was written (a folder from before the setting: float32), else where `device`
+    (the source's) computes bf16 natively (`runtime.native_bf16`: 1.45x as fast on a CPU with AVX512-BF16 and AMX,
+    docs/results.md section 11.3). The choice is printed."""
     if args.self_text_bf16 is not None:
         return args.self_text_bf16
     held = folder_settings(folder)
     if held is not None:
         bf16, why = bool(held["bf16"]), f"as the text in {folder} was started (another --self_text_dir to choose again)"
     else:
-        bf16, why = native_bf16()
+        bf16, why = native_bf16(device)
         why += " (--no-self_text_bf16 for its float32 weights)" if bf16 else " (--self_text_bf16 forces bf16)"
     how = "a bf16 copy of its weights" if bf16 else "its float32 weights"
     print(f"qkvshare convert: the source writes its text with {how}: {why}.", flush=True)
@@ -147,5 +147,6 @@ def add_self_text(text: CalibrationText, args: ConvertArgs, model: Any, tokenize
     generation when it would not fit the memory or the disk (`self_text.estimate_self_text`), shown with a progress
     bar and its tokens/s, resumable shard by shard."""
     if "self" in text.sources:
-        settings = self_text_settings(args, model, tokenizer, self_text_bf16(args, folder))
+        device = next(model.parameters()).device.type
+        settings = self_text_settings(args, model, tokenizer, self_text_bf16(args, folder, device))
         text.self_text = generate_self_text(model, tokenizer, settings, folder, self_text_tokens(args))
