@@ -529,6 +529,54 @@ def test_ctrl_c_in_stage_c_exits_130_and_the_same_command_continues(source_dir, 
     assert json.loads((out / "conversion.json").read_text())["stages"]["distill"]["tokens"] >= 256
 
 
+def test_a_diverging_stage_c_is_stopped_and_the_model_of_stages_a_b_is_saved(
+    source_dir, corpus, tmp_path, monkeypatch, capsys
+):
+    """Stage (c) on Qwen2.5-Coder-0.5B with every layer tied took the KL from 3.5 to 10.0 nats at its first AdamW
+    step and kept a model far worse than its start: a run whose loss rises is now stopped, said, recorded, and the
+    model of stages (a)-(b) saved instead."""
+    import qkvshare.convert.distill as distill_module
+    import qkvshare_cli
+    from qkvshare.convert.distill import DistillationDiverged, DivergenceWatch
+    from qkvshare_settings.train import DistillSettings
+
+    watch = DivergenceWatch()
+    for step, loss in enumerate([3.549, 9.965, 8.106], 1):  # that run's first steps
+        watch(step, loss, None)
+    with pytest.raises(DistillationDiverged, match="rose from 3.549 to 7.906 by step 4"):
+        watch(4, 7.906, None)
+    calm = DivergenceWatch()
+    for step, loss in enumerate([1.0, 1.9, 1.2, 1.5, 0.9, 0.8, 0.7], 1):  # noisy, but not rising
+        calm(step, loss, None)
+    # resumed from a checkpoint at step 2 (steps 3-4 repeated): still compared with the first step's loss
+    kept = tmp_path / "losses.json"
+    first = DivergenceWatch(kept)
+    for step, loss in enumerate([3.549, 9.965, 8.106], 1):
+        first(step, loss, None)
+    resumed = DivergenceWatch(kept)
+    resumed(3, 8.2, None)
+    with pytest.raises(DistillationDiverged, match="rose from 3.549 to 7.900 by step 4"):
+        resumed(4, 7.9, None)
+    assert json.loads(kept.read_text()) == [3.549, 9.965, 8.2, 7.9]
+
+    monkeypatch.setattr(distill_module, "DIVERGENCE_FACTOR", 0.0)  # any run "diverges" at its 4th step
+    argv = convert_argv(source_dir, corpus, tmp_path / "out", "--distill_tokens", "640")  # 5 steps of 128 tokens
+    assert qkvshare_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "warning: stage (c) diverged (its KL to the source rose from" in printed and "by step 4)" in printed
+    diverged = json.loads((tmp_path / "out" / "conversion.json").read_text())["stages"]["distill"]["diverged"]
+    assert diverged["step"] == 4 and len(diverged["losses"]) == 4
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "ab")) == 0  # no stage (c)
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict() for name in ("out", "ab"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a conversion resumed after the stop does not train again
+    work = tmp_path / "work"
+    (work / "distill").mkdir(parents=True)
+    (work / "distill" / "diverged.json").write_text(json.dumps(diverged))
+    _, metrics = distill_module.run_distillation(tmp_path, "t", [], [], None, work, DistillSettings(tokens=640))
+    assert metrics == {"diverged": diverged}
+
+
 def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monkeypatch, capsys):
     """No --distill_bf16: bf16 mixed precision where the device computes bf16 natively, float32 elsewhere, said on
     stdout and kept in the work folder's plan (a conversion continues in the precision it started in)."""

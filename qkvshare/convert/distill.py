@@ -107,6 +107,41 @@ def check_distill_memory(config: Any, settings: DistillSettings) -> None:
         )
 
 
+# Stage (c) stops as diverged when its loss, averaged over DIVERGENCE_WINDOW steps after the first, is more than
+# DIVERGENCE_FACTOR times the first step's. On Qwen2.5-Coder-0.5B with every layer tied, AdamW's first step took the
+# KL from 3.5 to 10.0 nats (from 3.5 to 9.0 at a tenth of the learning rate) and 128 steps did not bring it back
+# (docs/results.md, section 11.3); a stage (c) that converges falls from its first step.
+DIVERGENCE_FACTOR = 2.0
+DIVERGENCE_WINDOW = 3
+DIVERGED = "diverged.json"  # in the run's folder: what stopped it (a rerun of the conversion keeps it stopped)
+
+
+class DistillationDiverged(Exception):
+    """Stage (c)'s loss rose instead of falling (`DivergenceWatch`); `losses` are its steps' losses so far."""
+
+    def __init__(self, step: int, losses: list[float]):
+        super().__init__(f"the loss rose from {losses[0]:.3f} to {losses[-1]:.3f} by step {step}")
+        self.step, self.losses = step, losses
+
+
+class DivergenceWatch:
+    """The training run's `on_step` hook that raises `DistillationDiverged` when the mean loss of the last
+    `DIVERGENCE_WINDOW` steps after the first exceeds `DIVERGENCE_FACTOR` times the first step's loss. With a `path`,
+    the steps' losses are kept there, so a run resumed from a checkpoint is still compared with its first step."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.losses: list[float] = json.loads(path.read_text()) if path is not None and path.is_file() else []
+
+    def __call__(self, step: int, loss: float, model: Any) -> None:
+        self.losses = self.losses[: step - 1] + [loss]  # a resumed run repeats the steps after its checkpoint
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.losses))
+        recent = self.losses[1:][-DIVERGENCE_WINDOW:]
+        if len(recent) == DIVERGENCE_WINDOW and sum(recent) / len(recent) > DIVERGENCE_FACTOR * self.losses[0]:
+            raise DistillationDiverged(step, list(self.losses))
+
+
 def run_distillation(
     model_dir: Path,
     teacher: str,
@@ -121,11 +156,15 @@ def run_distillation(
     of the distilled model and the run's final metrics; raises what `qkvshare.train.distill` raises when the run
     stops (the conversion is then resumable). `teacher_model`: the teacher already in memory (not loaded again).
     Without a micro-batch in `settings`, each step runs in the largest micro-batches that fit the memory available
-    (`fit_micro_batch`): the same blocks and update, in several forward/backward passes where memory is short."""
+    (`fit_micro_batch`): the same blocks and update, in several forward/backward passes where memory is short.
+    A run that diverges (`DivergenceWatch`) is stopped and recorded in `work/distill/diverged.json`; the metrics
+    are then `{"diverged": {"step": ..., "losses": [...]}}` (at once, on a rerun)."""
     out = work / "distill"
-    metrics_file = out / "final_metrics.json"
+    metrics_file, diverged_file = out / "final_metrics.json", out / DIVERGED
     if metrics_file.is_file():  # finished by an earlier run of this conversion
         return out, json.loads(metrics_file.read_text())
+    if diverged_file.is_file():  # stopped as diverged by an earlier run of this conversion
+        return out, {"diverged": json.loads(diverged_file.read_text())}
     work.mkdir(parents=True, exist_ok=True)
     train_file, validation_file = work / "distill-train.jsonl", work / "distill-validation.jsonl"
     if not train_file.is_file():
@@ -140,4 +179,11 @@ def run_distillation(
             f"{free / 2**30:.1f} GiB of memory available",
             flush=True,
         )
-    return out, distill(model_dir, teacher, train_file, validation_file, out, settings, teacher_model)
+    try:
+        watch = DivergenceWatch(work / "distill-losses.json")
+        metrics = distill(model_dir, teacher, train_file, validation_file, out, settings, teacher_model, watch)
+    except DistillationDiverged as err:
+        diverged = {"step": err.step, "losses": [round(x, 4) for x in err.losses]}
+        diverged_file.write_text(json.dumps(diverged))
+        return out, {"diverged": diverged}
+    return out, metrics

@@ -258,6 +258,8 @@ def distil(
             "from its last checkpoint.",
             err.exit_status,
         ) from err
+    if "diverged" in metrics:  # the stage made the model worse: the model of stages (a)-(b) is kept
+        return kept_after_divergence(stage_model, record, settings, metrics["diverged"], started)
     distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference, _ = reference_log_probs(source, validation, dtype=torch.float32, progress=None)
     record.layer_errors["distill"] = measure_layer_errors(source, distilled, validation)
@@ -273,6 +275,25 @@ def distil(
         "validation_kl_of_the_run": metrics.get("val_kl"),
     }
     return distilled
+
+
+def kept_after_divergence(
+    stage_model: Path, record: ConversionRecord, settings: DistillSettings, diverged: dict[str, Any], started: float
+) -> Any:
+    """Stage (c) diverged (`distill.DivergenceWatch`): say so, record it, and return the model of stages (a)-(b)."""
+    losses = diverged["losses"]
+    print(
+        f"qkvshare convert: warning: stage (c) diverged (its KL to the source rose from {losses[0]:.3f} to "
+        f"{losses[-1]:.3f} nats per token by step {diverged['step']}) and was stopped; the model of stages (a)-(b) is "
+        "saved instead. A smaller --distill_learning_rate, --distill_trainable_modules, or a --cache_budget that "
+        "leaves the costliest layers untied may let it converge.",
+        flush=True,
+    )
+    record.stages["distill"] = asdict(settings) | {
+        "diverged": diverged,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    return QKVShareForCausalLM.from_pretrained(stage_model, dtype=torch.float32).eval()
 
 
 def self_text_stage(self_text: Any) -> dict[str, Any]:
