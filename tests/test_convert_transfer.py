@@ -564,6 +564,8 @@ def test_a_diverging_stage_c_is_stopped_and_the_model_of_stages_a_b_is_saved(
     assert qkvshare_cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "warning: stage (c) diverged (its KL to the source rose from" in printed and "by step 4)" in printed
+    # what to try, only patterns this model has (every layer tied: no v_proj), which the command accepts
+    assert "--distill_trainable_modules q_proj k_proj mlp embed_tokens norm lm_head; so did" in printed
     diverged = json.loads((tmp_path / "out" / "conversion.json").read_text())["stages"]["distill"]["diverged"]
     assert diverged["step"] == 4 and len(diverged["losses"]) == 4
     assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "ab")) == 0  # no stage (c)

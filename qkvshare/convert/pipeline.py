@@ -277,23 +277,33 @@ def distil(
     return distilled
 
 
+# What stage (c) may train besides the attention's output projections: the patterns of `--distill_trainable_modules`
+BESIDES_O_PROJ = ("q_proj", "k_proj", "v_proj", "mlp", "embed_tokens", "norm", "lm_head")
+
+
 def kept_after_divergence(
     stage_model: Path, record: ConversionRecord, settings: DistillSettings, diverged: dict[str, Any], started: float
 ) -> Any:
-    """Stage (c) diverged (`distill.DivergenceWatch`): say so, record it, and return the model of stages (a)-(b)."""
+    """Stage (c) diverged (`distill.DivergenceWatch`): say so (with the `--distill_trainable_modules` that leave the
+    output projections out: they diverged on Qwen2.5-Coder-0.5B, the rest converged), record it, and return the
+    model of stages (a)-(b)."""
+    model = QKVShareForCausalLM.from_pretrained(stage_model, dtype=torch.float32).eval()
+    names = [name for name, _ in model.named_parameters()]
+    patterns = [p for p in BESIDES_O_PROJ if any(p in name for name in names)]
     losses = diverged["losses"]
     print(
         f"qkvshare convert: warning: stage (c) diverged (its KL to the source rose from {losses[0]:.3f} to "
         f"{losses[-1]:.3f} nats per token by step {diverged['step']}) and was stopped; the model of stages (a)-(b) is "
-        "saved instead. A --cache_budget that leaves the costliest layers untied let it converge where this was "
-        "seen (Qwen2.5-Coder-0.5B with every layer tied; a tenth of the learning rate did not).",
+        "saved instead. Where this was seen (Qwen2.5-Coder-0.5B, every layer tied: the output projections of layers "
+        "whose shared key/value carries large biases), training all but the output projections converged: "
+        f"--distill_trainable_modules {' '.join(patterns)}; so did a --cache_budget that leaves those layers untied.",
         flush=True,
     )
     record.stages["distill"] = asdict(settings) | {
         "diverged": diverged,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    return QKVShareForCausalLM.from_pretrained(stage_model, dtype=torch.float32).eval()
+    return model
 
 
 def self_text_stage(self_text: Any) -> dict[str, Any]:
