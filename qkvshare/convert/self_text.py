@@ -976,7 +976,7 @@ def estimate_self_text(
     chat = _use_chat(tokenizer, settings, warn=False)
     path = Path(work_dir) if work_dir is not None else None
     folder = _Folder(path, settings, source_identity(model, tokenizer), create=False)
-    return _estimate(model, tokenizer, settings, tokens, folder, chat, probe)
+    return _estimate(model, tokenizer, settings, tokens, folder, chat, probe, _generator(model, settings))
 
 
 def _estimate(
@@ -987,13 +987,13 @@ def _estimate(
     folder: _Folder,
     chat: bool,
     probe: bool,
+    generator: Callable[[], Any],
     refuse: bool = False,
     max_seconds: float | None = None,
-    generator: Callable[[], Any] | None = None,
 ) -> SelfTextEstimate:
     """The estimate; with `refuse`, a request that does not fit the memory or the disk is refused before the probe
     runs, and one that would take more than `max_seconds` after it. The probe times `generator()`, the model that
-    generates (`model`, or its bf16 copy, made once the memory is known to hold it)."""
+    generates (`model`, or its bf16 copy, made only once the memory is known to hold it)."""
     context = _Context(model, tokenizer, s, chat)
     cached, first_missing = 0, 0
     while cached < tokens:
@@ -1020,7 +1020,7 @@ def _estimate(
     if refuse:
         _check_memory_and_disk(estimate, s)
     if rate == 0.0 and probe and missing:
-        rate = _probe_rate(generator() if generator else _generating_model(model, s), context, first_missing)
+        rate = _probe_rate(generator(), context, first_missing)
         estimate = dataclasses.replace(estimate, tokens_per_second=rate, seconds=missing / rate)
     if refuse:
         _check_time(estimate, max_seconds)
@@ -1165,15 +1165,9 @@ def generate_self_text(
     folder = _Folder(Path(work_dir) if work_dir is not None else None, settings, identity)
     was_training = model.training
     model.eval()
-    made: list[Any] = []
-
-    def generator() -> Any:  # the model that generates, made at most once, after the memory check
-        if not made:
-            made.append(_generating_model(model, settings))
-        return made[0]
-
+    generator = _generator(model, settings)
     try:
-        estimate = _estimate(model, tokenizer, settings, tokens, folder, chat, True, True, max_seconds, generator)
+        estimate = _estimate(model, tokenizer, settings, tokens, folder, chat, True, generator, True, max_seconds)
         if estimate.cached_tokens >= tokens:
             return _run(model, tokenizer, settings, folder, tokens, chat, identity, estimate, progress, on_shard)
         logger.info(estimate.summary())
@@ -1181,12 +1175,12 @@ def generate_self_text(
             print(estimate.summary(), file=sys.stderr, flush=True)
         return _run(generator(), tokenizer, settings, folder, tokens, chat, identity, estimate, progress, on_shard)
     finally:
-        made.clear()
         model.train(was_training)
 
 
-def _generating_model(model: Any, settings: SelfTextSettings) -> Any:
-    return bf16_copy(model) if settings.bf16 else model
+def _generator(model: Any, settings: SelfTextSettings) -> Callable[[], Any]:
+    """The model that generates, made on first call and kept: `model`, or with `settings.bf16` its `bf16_copy`."""
+    return functools.cache(lambda: bf16_copy(model) if settings.bf16 else model)
 
 
 def _run(
