@@ -563,20 +563,80 @@ def test_a_diverging_stage_c_is_stopped_and_the_model_of_stages_a_b_is_saved(
     argv = convert_argv(source_dir, corpus, tmp_path / "out", "--distill_tokens", "640")  # 5 steps of 128 tokens
     assert qkvshare_cli.main(argv) == 0
     printed = capsys.readouterr().out
+    # the default (every parameter) trains again without the output projections (only patterns this model has:
+    # every layer tied, no v_proj), which diverges too here: the model of stages (a)-(b) is saved
     assert "warning: stage (c) diverged (its KL to the source rose from" in printed and "by step 4)" in printed
-    # what to try, only patterns this model has (every layer tied: no v_proj), which the command accepts
-    assert "--distill_trainable_modules q_proj k_proj mlp embed_tokens norm lm_head; so did" in printed
-    diverged = json.loads((tmp_path / "out" / "conversion.json").read_text())["stages"]["distill"]["diverged"]
-    assert diverged["step"] == 4 and len(diverged["losses"]) == 4
+    assert (
+        "it trains again from the model of stages (a)-(b) without the attention's output projections "
+        "(--distill_trainable_modules q_proj k_proj mlp embed_tokens norm lm_head)." in printed
+    )
+    assert "warning: stage (c) again, without the output projections, diverged" in printed
+    assert "the model of stages (a)-(b) is saved instead; a --cache_budget that leaves" in printed
+    distilled = json.loads((tmp_path / "out" / "conversion.json").read_text())["stages"]["distill"]
+    assert distilled["diverged"]["step"] == 4 and len(distilled["diverged"]["losses"]) == 4
+    assert distilled["trainable_modules"] == ["q_proj", "k_proj", "mlp", "embed_tokens", "norm", "lm_head"]
+    assert distilled["first_run"]["trainable_modules"] is None and distilled["first_run"]["diverged"]["step"] == 4
     assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "ab")) == 0  # no stage (c)
     a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict() for name in ("out", "ab"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the user's own modules are trained as given: no second run, the hint names what converged on Qwen
+    argv = convert_argv(source_dir, corpus, tmp_path / "attn", "--distill_tokens", "640")
+    assert qkvshare_cli.main([*argv, "--distill_trainable_modules", "self_attn"]) == 0
+    printed = capsys.readouterr().out
+    assert "trains again" not in printed
+    assert "is saved instead. Where this was seen (Qwen2.5-Coder-0.5B" in printed
+    assert "--distill_trainable_modules q_proj k_proj mlp embed_tokens norm lm_head." in printed
     # a conversion resumed after the stop does not train again
     work = tmp_path / "work"
     (work / "distill").mkdir(parents=True)
-    (work / "distill" / "diverged.json").write_text(json.dumps(diverged))
+    (work / "distill" / "diverged.json").write_text(json.dumps(distilled["diverged"]))
     _, metrics = distill_module.run_distillation(tmp_path, "t", [], [], None, work, DistillSettings(tokens=640))
-    assert metrics == {"diverged": diverged}
+    assert metrics == {"diverged": distilled["diverged"]}
+
+
+def test_a_diverged_stage_c_trains_again_without_the_output_projections(
+    source_dir, corpus, tmp_path, monkeypatch, capsys
+):
+    """The default stage (c) trains every parameter; where that diverges (the output projections on Qwen2.5-Coder-0.5B
+    with every layer tied), it trains again from the model of stages (a)-(b) with the output projections frozen, and
+    that run's model is the conversion's: its output projections are the stage model's, everything else trained."""
+    import qkvshare.convert.distill as distill_module
+    import qkvshare_cli
+    from qkvshare.convert.distill import DistillationDiverged, DivergenceWatch, besides_output_projections
+
+    class FirstRunDiverges(DivergenceWatch):
+        def __call__(self, step, loss, model):
+            super().__call__(step, loss, model)
+            if self.path.name == "distill-losses.json" and step == 2:
+                raise DistillationDiverged(step, list(self.losses))
+
+    monkeypatch.setattr(distill_module, "DivergenceWatch", FirstRunDiverges)
+    out = tmp_path / "out"
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, out, "--distill_tokens", "384")) == 0
+    printed = capsys.readouterr().out
+    assert "by step 2) and was stopped; it trains again from the model of stages (a)-(b)" in printed
+    assert "is saved instead" not in printed
+    distilled = json.loads((out / "conversion.json").read_text())["stages"]["distill"]
+    assert distilled["first_run"]["diverged"]["step"] == 2 and distilled["tokens"] >= 384
+    assert distilled["trainable_modules"] == ["q_proj", "k_proj", "mlp", "embed_tokens", "norm", "lm_head"]
+    assert "kl_to_source" in distilled and "diverged" not in distilled
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, tmp_path / "ab")) == 0  # no stage (c)
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict() for name in ("out", "ab"))
+    assert a.keys() == b.keys() and any("o_proj" in k for k in a)
+    for key in a:  # trained: everything but the output projections
+        assert torch.equal(a[key], b[key]) == ("o_proj" in key), key
+    # tied and untied models with biases: the patterns cover every parameter but the output projections'
+    from transformers import LlamaConfig
+
+    from qkvshare import QKVShareConfig, QKVShareForCausalLM
+
+    shape = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    for variant in ("Q-K=V", None):
+        config = QKVShareConfig.from_llama(shape.to_dict() | {"attention_bias": True}, variant)
+        patterns = besides_output_projections(config)
+        names = [name for name, _ in QKVShareForCausalLM(config).named_parameters()]
+        assert any("o_proj.bias" in n for n in names) and ("v_proj" in patterns) == (variant is None)
+        assert all(any(p in n for p in patterns) != ("o_proj" in n) for n in names)
 
 
 def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monkeypatch, capsys):

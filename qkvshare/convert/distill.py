@@ -83,6 +83,27 @@ def fit_micro_batch(config: Any, settings: DistillSettings, teacher_loaded: bool
     return dataclasses.replace(settings, micro_batch_size=micro)
 
 
+# The `--distill_trainable_modules` patterns of everything but the attention's output projections, where the model has
+# them; `besides_output_projections` adds any other parameter's full name.
+BESIDES_O_PROJ = ("q_proj", "k_proj", "v_proj", "mlp", "embed_tokens", "norm", "lm_head")
+OUTPUT_PROJECTION = "o_proj"
+
+
+def besides_output_projections(config: Any) -> list[str]:
+    """Patterns that train every parameter of `config`'s model except the attention's output projections (weights
+    and biases): `BESIDES_O_PROJ`'s that match a parameter, then the full name of any other parameter none covers."""
+    names = [name for name in _parameters(config) if OUTPUT_PROJECTION not in name]
+    patterns = [p for p in BESIDES_O_PROJ if any(p in name for name in names)]
+    patterns += [name for name in names if not any(p in name for p in patterns)]
+    return patterns
+
+
+def trains_output_projections(config: Any, settings: DistillSettings) -> bool:
+    """Whether `settings.trainable_modules` trains any of the attention's output projections of `config`'s model."""
+    trained = trained_names(list(_parameters(config)), settings.trainable_modules)
+    return any(OUTPUT_PROJECTION in name for name in trained)
+
+
 def check_trainable_modules(config: Any, settings: DistillSettings) -> None:
     """A `ValueError` before any work when `settings.trainable_modules` matches no parameter of `config`'s model."""
     if settings.trainable_modules is None:
@@ -151,15 +172,17 @@ def run_distillation(
     work: Path,
     settings: DistillSettings,
     teacher_model: Any = None,
+    run: str = "distill",
 ) -> tuple[Path, dict[str, Any]]:
-    """Stage (c): distil the model saved in `model_dir` from `teacher`, in `work/distill`. Returns the directory
+    """Stage (c): distil the model saved in `model_dir` from `teacher`, in `work/run` (its losses in
+    `work/run-losses.json`; several runs share the work folder's text files). Returns the directory
     of the distilled model and the run's final metrics; raises what `qkvshare.train.distill` raises when the run
     stops (the conversion is then resumable). `teacher_model`: the teacher already in memory (not loaded again).
     Without a micro-batch in `settings`, each step runs in the largest micro-batches that fit the memory available
     (`fit_micro_batch`): the same blocks and update, in several forward/backward passes where memory is short.
-    A run that diverges (`DivergenceWatch`) is stopped and recorded in `work/distill/diverged.json`; the metrics
+    A run that diverges (`DivergenceWatch`) is stopped and recorded in `work/run/diverged.json`; the metrics
     are then `{"diverged": {"step": ..., "losses": [...]}}` (at once, on a rerun)."""
-    out = work / "distill"
+    out = work / run
     metrics_file, diverged_file = out / "final_metrics.json", out / DIVERGED
     if metrics_file.is_file():  # finished by an earlier run of this conversion
         return out, json.loads(metrics_file.read_text())
@@ -180,7 +203,7 @@ def run_distillation(
             flush=True,
         )
     try:
-        watch = DivergenceWatch(work / "distill-losses.json")
+        watch = DivergenceWatch(work / f"{run}-losses.json")
         metrics = distill(model_dir, teacher, train_file, validation_file, out, settings, teacher_model, watch)
     except DistillationDiverged as err:
         diverged = {"step": err.step, "losses": [round(x, 4) for x in err.losses]}

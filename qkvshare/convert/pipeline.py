@@ -4,6 +4,7 @@ checked by `qkvshare_settings.convert`): read the source and the calibration tex
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 import time
@@ -18,7 +19,13 @@ from qkvshare.convert import io as files
 from qkvshare.convert.budget import check_cache_budget
 from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
-from qkvshare.convert.distill import check_distill_memory, check_trainable_modules, run_distillation
+from qkvshare.convert.distill import (
+    besides_output_projections,
+    check_distill_memory,
+    check_trainable_modules,
+    run_distillation,
+    trains_output_projections,
+)
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
 from qkvshare.convert.transfer import TransferSettings, check_activation_memory, measure_layer_errors
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
@@ -238,28 +245,31 @@ def distil(
 ) -> Any:
     """Stage (c): distil the model of stages (a)-(b) saved in `stage_model` from the source (in memory, its teacher)
     on the calibration text's train split (`qkvshare.train.distill`) in the work folder, and record its errors, KL
-    divergence, tokens and time. Returns the distilled model."""
+    divergence, tokens and time. Returns the distilled model. A run that diverges (`distill.DivergenceWatch`) is
+    stopped; with the default `--distill_trainable_modules all`, stage (c) then trains again from the same model with
+    the attention's output projections frozen (`WITHOUT_O_PROJ_RUN`, recorded as `first_run`); when that diverges too,
+    or the user's own modules did, the model of stages (a)-(b) is returned (`kept_after_divergence`)."""
     started = time.perf_counter()
     settings = distill_settings(args)
-    try:
-        folder, metrics = run_distillation(
-            stage_model,
-            str(args.source),
-            text.documents("train"),
-            text.documents("validation"),
-            tokenizer,
-            work,
-            settings,
-            teacher_model=source,
+    folder, metrics = _distillation_run(stage_model, args, text, tokenizer, work, settings, source, "distill")
+    first_run = None
+    config = QKVShareConfig.from_pretrained(stage_model)
+    if "diverged" in metrics and args.distill_trainable_modules == ALL_PARAMETERS:
+        # the default trains everything: train again without the output projections (which diverged on
+        # Qwen2.5-Coder-0.5B with every layer tied; the rest converged, docs/results.md section 11.3)
+        first_run = {"trainable_modules": settings.trainable_modules, "diverged": metrics["diverged"]}
+        settings = dataclasses.replace(settings, trainable_modules=besides_output_projections(config))
+        print(
+            f"qkvshare convert: warning: stage (c) {_diverged(metrics['diverged'])}; it trains again from the model "
+            "of stages (a)-(b) without the attention's output projections (--distill_trainable_modules "
+            f"{' '.join(settings.trainable_modules)}).",
+            flush=True,
         )
-    except CommandStopped as err:
-        raise DistillationStopped(
-            f"the distillation stage stopped ({getattr(err, 'reason', err)}); rerun the same conversion to continue "
-            "from its last checkpoint.",
-            err.exit_status,
-        ) from err
+        folder, metrics = _distillation_run(
+            stage_model, args, text, tokenizer, work, settings, source, WITHOUT_O_PROJ_RUN
+        )
     if "diverged" in metrics:  # the stage made the model worse: the model of stages (a)-(b) is kept
-        return kept_after_divergence(stage_model, record, settings, metrics["diverged"], started)
+        return kept_after_divergence(stage_model, config, record, settings, metrics["diverged"], first_run, started)
     distilled = QKVShareForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference, _ = reference_log_probs(source, validation, dtype=torch.float32, progress=None)
     record.layer_errors["distill"] = measure_layer_errors(source, distilled, validation)
@@ -274,36 +284,89 @@ def distil(
         "kl_to_source": score_blocks(distilled, validation, reference=reference, progress=None).kl,
         "validation_kl_of_the_run": metrics.get("val_kl"),
     }
+    if first_run is not None:
+        record.stages["distill"]["first_run"] = first_run
     return distilled
 
 
-# What stage (c) may train besides the attention's output projections: the patterns of `--distill_trainable_modules`
-BESIDES_O_PROJ = ("q_proj", "k_proj", "v_proj", "mlp", "embed_tokens", "norm", "lm_head")
+# stage (c)'s second run, without the output projections, after the first diverged (in the work folder)
+WITHOUT_O_PROJ_RUN = "distill-without-o_proj"
+
+
+def _distillation_run(
+    stage_model: Path,
+    args: ConvertArgs,
+    text: CalibrationText,
+    tokenizer: Any,
+    work: Path,
+    settings: DistillSettings,
+    source: Any,
+    run: str,
+) -> tuple[Path, dict[str, Any]]:
+    """One training run of stage (c) (`run_distillation` in `work/run`), a stop said as `DistillationStopped`."""
+    try:
+        return run_distillation(
+            stage_model,
+            str(args.source),
+            text.documents("train"),
+            text.documents("validation"),
+            tokenizer,
+            work,
+            settings,
+            teacher_model=source,
+            run=run,
+        )
+    except CommandStopped as err:
+        raise DistillationStopped(
+            f"the distillation stage stopped ({getattr(err, 'reason', err)}); rerun the same conversion to continue "
+            "from its last checkpoint.",
+            err.exit_status,
+        ) from err
+
+
+def _diverged(diverged: dict[str, Any]) -> str:
+    losses = diverged["losses"]
+    return (
+        f"diverged (its KL to the source rose from {losses[0]:.3f} to {losses[-1]:.3f} nats per token by step "
+        f"{diverged['step']}) and was stopped"
+    )
 
 
 def kept_after_divergence(
-    stage_model: Path, record: ConversionRecord, settings: DistillSettings, diverged: dict[str, Any], started: float
+    stage_model: Path,
+    config: QKVShareConfig,
+    record: ConversionRecord,
+    settings: DistillSettings,
+    diverged: dict[str, Any],
+    first_run: dict[str, Any] | None,
+    started: float,
 ) -> Any:
-    """Stage (c) diverged (`distill.DivergenceWatch`): say so (with the `--distill_trainable_modules` that leave the
-    output projections out: they diverged on Qwen2.5-Coder-0.5B, the rest converged), record it, and return the
-    model of stages (a)-(b)."""
-    model = QKVShareForCausalLM.from_pretrained(stage_model, dtype=torch.float32).eval()
-    names = [name for name, _ in model.named_parameters()]
-    patterns = [p for p in BESIDES_O_PROJ if any(p in name for name in names)]
-    losses = diverged["losses"]
+    """Stage (c) diverged (`distill.DivergenceWatch`), in the user's `--distill_trainable_modules` or, after the
+    default's first run, without the output projections: say so (what to try next), record it, and return the model
+    of stages (a)-(b)."""
+    if first_run is not None:
+        hint = "; a --cache_budget that leaves some layers untied may converge"
+    elif trains_output_projections(config, settings):
+        hint = (
+            ". Where this was seen (Qwen2.5-Coder-0.5B, every layer tied: the output projections of layers whose "
+            "shared key/value carries large biases), training all but the output projections converged: "
+            f"--distill_trainable_modules {' '.join(besides_output_projections(config))}"
+        )
+    else:
+        hint = ""
+    again = " again, without the output projections," if first_run is not None else ""
     print(
-        f"qkvshare convert: warning: stage (c) diverged (its KL to the source rose from {losses[0]:.3f} to "
-        f"{losses[-1]:.3f} nats per token by step {diverged['step']}) and was stopped; the model of stages (a)-(b) is "
-        "saved instead. Where this was seen (Qwen2.5-Coder-0.5B, every layer tied: the output projections of layers "
-        "whose shared key/value carries large biases), training all but the output projections converged: "
-        f"--distill_trainable_modules {' '.join(patterns)}; so did a --cache_budget that leaves those layers untied.",
+        f"qkvshare convert: warning: stage (c){again} {_diverged(diverged)}; the model of stages (a)-(b) is saved "
+        f"instead{hint}.",
         flush=True,
     )
     record.stages["distill"] = asdict(settings) | {
         "diverged": diverged,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    return model
+    if first_run is not None:
+        record.stages["distill"]["first_run"] = first_run
+    return QKVShareForCausalLM.from_pretrained(stage_model, dtype=torch.float32).eval()
 
 
 def self_text_stage(self_text: Any) -> dict[str, Any]:

@@ -881,7 +881,12 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
             if saved:
                 run.save_checkpoint(done)
             if on_step is not None:
-                on_step(done, loss, run.model)
+                try:
+                    on_step(done, loss, run.model)
+                except BaseException:  # the hook stopped the run (e.g. a diverged distillation): end it tidily
+                    bar.close()
+                    acc.end_training()
+                    raise
             signum = stop.agreed(acc)
             if signum:
                 bar.close()
