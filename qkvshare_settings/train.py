@@ -163,6 +163,12 @@ class TrainArguments:
         "(squared error relative to the teacher's, per token, averaged over layers); needs a teacher with the "
         "student's layers and width, e.g. the model it was converted from (0: off)",
     )
+    centre_output_projections: bool = flag(
+        False,
+        "AdamW steps on the attention output projections taken as if their inputs were centred on their mean (the "
+        "constant moved into the bias; the saved weights are the usual ones): for models whose values carry large "
+        "constants, e.g. a converted Qwen2 with key and value tied; needs o_proj biases",
+    )
     bf16: bool = flag(False, "bf16 mixed precision")
     fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")
     use_cpu: bool = flag(False, "train on CPU even if a GPU is present (gloo for 2+ ranks)")
@@ -216,6 +222,7 @@ class DistillSettings:
     lm_weight: float = 0.0
     hidden_weight: float = 0.0  # weight of the layer-by-layer hidden-state loss (`--distill_hidden_weight`)
     bf16: bool = False  # bf16 mixed precision (`--bf16`): the weights and optimizer stay float32
+    centre_output_projections: bool = False  # `--centre_output_projections` (qkvshare.train.centring)
     save_steps: int = 10
     eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
     seed: int = 0
@@ -272,6 +279,7 @@ def distill_arguments(
         distill_lm_weight=s.lm_weight,
         distill_hidden_weight=s.hidden_weight,
         bf16=s.bf16,
+        centre_output_projections=s.centre_output_projections,
         save_steps=s.save_steps,
         save_total_limit=1,
         eval_steps=s.steps,

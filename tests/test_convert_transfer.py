@@ -1050,3 +1050,95 @@ def test_self_text_share_covers_what_every_stage_reads(tmp_path):
     expected = math.ceil((1000 + one_shot.validation_tokens) * 0.5 * SELF_TEXT_MARGIN)
     assert one_shot.distill_tokens > 0 and self_text_tokens(one_shot) == expected
     assert self_text_tokens(args(method="transfer", self_text_tokens=77)) == 77
+
+
+def test_centred_output_projection_steps_are_adamw_on_the_centred_parameters():
+    """`CentredOutputProjections` makes AdamW on (W, b) take exactly the steps of AdamW on y = W (x - mu) + c: the
+    same W, and b = c - W mu, after several steps with weight decay on W; uncentred steps differ."""
+    from qkvshare.train.centring import CentredOutputProjections
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 6, dtype=torch.float64) * 0.5 + torch.tensor([40.0, -30, 25, 0, 10, -50]).double()
+    target = torch.randn(64, 4, dtype=torch.float64)
+    mu = x.mean(0)
+
+    def adamw(weight, bias):
+        return torch.optim.AdamW([{"params": [weight], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}])
+
+    model = torch.nn.Module()
+    model.o_proj = torch.nn.Linear(6, 4, dtype=torch.float64)
+    weight, bias = model.o_proj.weight, model.o_proj.bias
+    w = weight.detach().clone().requires_grad_()
+    c = (bias.detach() + weight.detach() @ mu).requires_grad_()
+    plain = torch.nn.Linear(6, 4, dtype=torch.float64)
+    plain.load_state_dict(model.o_proj.state_dict())
+    hooks = CentredOutputProjections(model, {"o_proj": mu})
+    optimizers = adamw(weight, bias), adamw(w, c), adamw(plain.weight, plain.bias)
+    for _ in range(5):
+        for opt in optimizers:
+            opt.zero_grad()
+        F.mse_loss(model.o_proj(x), target).backward()
+        F.mse_loss((x - mu) @ w.T + c, target).backward()
+        F.mse_loss(plain(x), target).backward()
+        hooks.before_step()
+        for opt in optimizers:
+            opt.step()
+        hooks.after_step()
+    assert torch.allclose(weight, w, atol=1e-12) and torch.allclose(bias, c - w @ mu, atol=1e-9)
+    assert not torch.allclose(plain.weight, w, atol=1e-3)  # the uncentred steps are others
+
+
+def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpus, tmp_path, monkeypatch):
+    """`DistillSettings.centre_output_projections`: the means of the output projections' inputs are measured once (on
+    the first validation blocks, before any step) and kept in the run's folder, so a run stopped after its first
+    step and resumed ends where an uninterrupted run does; the steps differ from uncentred ones; a model without
+    o_proj biases is refused by name."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from qkvshare.train import pretrain
+    from qkvshare.train.centring import MEANS_FILE
+    from qkvshare.train.distill import distill
+    from qkvshare_settings.train import DistillSettings, TrainingSetupError
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tokenizer = train_bpe_tokenizer(texts, 320, model_max_length=128)
+    source = llama(attention_bias=True).eval()
+    with torch.no_grad():
+        for layer in source.model.layers:  # keys and values with large constants, as Qwen2's
+            layer.self_attn.k_proj.bias.normal_(0, 20)
+    source_dir = tmp_path / "source"
+    source.save_pretrained(source_dir)
+    tokenizer.save_pretrained(source_dir)
+    model, record = convert(source, "Q-K=V", "key")
+    converted = tmp_path / "converted"
+    save_converted(model, record, converted, tokenizer)
+    settings = DistillSettings(tokens=3 * 4 * 32, batch_size=4, block_size=32, learning_rate=1e-2, eval_blocks=4)
+    centred = replace(settings, centre_output_projections=True, save_steps=1)
+    whole = tmp_path / "whole"
+    distill(converted, source_dir, corpus, corpus, whole, centred, teacher_model=source)
+    means = load_file(whole / MEANS_FILE)
+    assert sorted(means) == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    # measured on the converted model: its value carries the key's large bias, so the means are large
+    assert max(m.abs().max().item() for m in means.values()) > 5
+
+    agreed = pretrain.StopRequest.agreed
+    monkeypatch.setattr(pretrain.StopRequest, "agreed", lambda self, accelerator: signal.SIGINT)
+    stopped = tmp_path / "stopped"
+    with pytest.raises(pretrain.TrainingInterrupted):
+        distill(converted, source_dir, corpus, corpus, stopped, centred, teacher_model=source)
+    monkeypatch.setattr(pretrain.StopRequest, "agreed", agreed)
+    distill(converted, source_dir, corpus, corpus, stopped, centred, teacher_model=source)
+    distill(converted, source_dir, corpus, corpus, tmp_path / "plain", settings, teacher_model=source)
+    a, b, plain = (
+        AutoModelForCausalLM.from_pretrained(tmp_path / run).state_dict() for run in ("whole", "stopped", "plain")
+    )
+    assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
+    o_proj = "model.layers.0.self_attn.o_proj.bias"
+    assert not torch.allclose(a[o_proj], plain[o_proj], atol=1e-3)
+
+    unbiased = tmp_path / "unbiased"
+    save_converted(*convert(llama(), "Q-K=V", "key"), unbiased, tokenizer)
+    with pytest.raises(TrainingSetupError, match="o_proj layers have no bias"):
+        distill(unbiased, source_dir, corpus, corpus, tmp_path / "refused", centred)

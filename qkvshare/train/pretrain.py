@@ -57,6 +57,7 @@ from qkvshare.model_dir import check_weights_fit_config, load_source
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.train import Arguments, TrainingSetupError, check_args
 
+from .centring import CentredOutputProjections, centring, output_projections
 from .checkpoint import (
     RUN_MARKERS,
     CheckpointWriteError,
@@ -141,6 +142,7 @@ class Run:
     lock: OutputDirLock | None  # held by the main process until the run ends
     teacher: Any = None  # --teacher's model (eval mode, no gradients) on this rank's device, or None
     train_seconds: float = 0.0  # time in training steps, over every resumed part of the run up to its checkpoint
+    centring: CentredOutputProjections | None = None  # --centre_output_projections
 
     @property
     def global_batch_blocks(self) -> int:
@@ -574,6 +576,9 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
             start_step, tokens_seen = saved["step"], saved["tokens_seen"]
             train_seconds = saved.get("train_seconds", 0.0)  # absent from checkpoints of earlier versions
         replace_previous_run(accelerator, args, resume_path)
+        centred = (
+            centre_output_projections(accelerator, args, model, val_blocks) if t.centre_output_projections else None
+        )
     except BaseException:
         if lock is not None:
             lock.release()
@@ -596,7 +601,30 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
         lock,
         teacher,
         train_seconds,
+        centred,
     )
+
+
+def centre_output_projections(accelerator: Any, args: Arguments, model: Any, val_blocks: PackedBlocks) -> Any:
+    """--centre_output_projections: the centring (`centring.CentredOutputProjections`) of the model's biased output
+    projections on their mean inputs, measured on the first validation blocks (the same on every rank) before the
+    first step, or read back from the output folder where the run saved them (a resumed run)."""
+    unwrapped = accelerator.unwrap_model(model)
+    if not output_projections(unwrapped):
+        raise TrainingSetupError(
+            "--centre_output_projections centres the attention output projections' inputs and moves the constant "
+            "into their biases, but this model's o_proj layers have no bias (or do not train): convert or build it "
+            "with attention_bias=True, or drop the flag."
+        )
+    blocks = val_blocks.stack(list(range(min(len(val_blocks), args.train.per_device_train_batch_size))))
+
+    def forward() -> None:
+        was_training = unwrapped.training
+        unwrapped.eval()
+        unwrapped(input_ids=blocks[:, :-1].to(accelerator.device))
+        unwrapped.train(was_training)
+
+    return centring(unwrapped, Path(args.train.output_dir), forward, accelerator.is_main_process)
 
 
 def check_hidden_teacher(teacher: Any, student: QKVShareConfig, weight: float) -> None:
@@ -735,7 +763,11 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
     if t.max_grad_norm > 0:
         norm = acc.clip_grad_norm_(run.model.parameters(), t.max_grad_norm)  # None under DeepSpeed (it clips)
         grad_norm = float(norm) if norm is not None else grad_norm
+    if run.centring is not None:
+        run.centring.before_step()
     run.optimizer.step()
+    if run.centring is not None:
+        run.centring.after_step()
     run.optimizer.zero_grad(set_to_none=True)
     run.tokens_seen += run.global_batch_blocks * run.block_size
     return mean_loss, grad_norm
