@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import shutil
 import time
@@ -265,6 +266,7 @@ def distil(
             f"{' '.join(settings.trainable_modules)}).",
             flush=True,
         )
+        gc.collect()  # free what the stopped run held before the next run sizes its micro-batches
         folder, metrics = _distillation_run(
             stage_model, args, text, tokenizer, work, settings, source, WITHOUT_O_PROJ_RUN
         )
