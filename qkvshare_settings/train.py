@@ -271,6 +271,8 @@ def distill_arguments(
         resume_from_checkpoint="latest" if resume else None,
         max_steps=s.steps,
         per_device_train_batch_size=s.batch_size // s.accumulation,
+        # validation in the training passes' size: a step's micro-batch is what fits the memory
+        per_device_eval_batch_size=s.batch_size // s.accumulation,
         gradient_accumulation_steps=s.accumulation,
         learning_rate=s.learning_rate,
         warmup_steps=min(s.warmup_steps, s.steps),

@@ -589,5 +589,10 @@ def test_distill_settings_reach_the_training_run(tmp_path):
     assert args.train.max_steps == 10 and args.train.trainable_modules == ["self_attn"]  # ceil(5000 / 512)
     assert distill_arguments("s", "t", "a", "b", str(tmp_path), DistillSettings()).train.trainable_modules is None
     assert args.train.distill_hidden_weight == 0
+    # stage (c) on Qwen2.5-Coder-0.5B was killed for memory in its final validation, 8 blocks at once (the default)
+    # where its steps ran one block a pass to fit: validation now runs in the passes' size
+    micro = DistillSettings(tokens=5000, batch_size=4, micro_batch_size=1)
+    assert distill_arguments("s", "t", "a", "b", str(tmp_path), micro).train.per_device_eval_batch_size == 1
+    assert args.train.per_device_eval_batch_size == 2
     weighted = DistillSettings(tokens=5000, hidden_weight=0.5)
     assert distill_arguments("s", "t", "a", "b", str(tmp_path), weighted).train.distill_hidden_weight == 0.5
