@@ -146,6 +146,7 @@ TRANSFER_DEFAULTS = {
     "distill_hidden_weight": 0.0,
     "distill_bf16": None,  # auto: bf16 mixed precision where the device computes bf16 natively (section 11.3)
     "distill_trainable_modules": ALL_PARAMETERS,
+    "distill_centre_output_projections": False,
     "cache_budget": None,
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
 }
@@ -220,6 +221,8 @@ class ConvertArgs:
     distill_trainable_modules: list[str] = field(
         default_factory=lambda: list(TRANSFER_DEFAULTS["distill_trainable_modules"])
     )
+    # stage (c)'s steps on the biased output projections centred (qkvshare.train.centring)
+    distill_centre_output_projections: bool = TRANSFER_DEFAULTS["distill_centre_output_projections"]
     cache_budget: float | None = TRANSFER_DEFAULTS["cache_budget"]  # transfer: at most this share of the KV bytes
     budget_choice: str = TRANSFER_DEFAULTS["budget_choice"]  # cache_budget ties the layers of lowest KL (or error)
     seed: int = 0  # order of the calibration text, stage (b)'s batches
@@ -384,6 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="stage (c) trains only the parameters whose names contain one of these (e.g. self_attn: the attention "
         "projections; all: every parameter)",
+    )
+    p.add_argument(
+        "--distill_centre_output_projections",
+        action="store_true",
+        default=t["distill_centre_output_projections"],
+        help="stage (c) takes its steps on the attention output projections as if their inputs were centred (the "
+        "constant moved into their biases): for sources whose keys carry large biases, e.g. Qwen2 with every layer "
+        "tied; needs o_proj biases",
     )
     p.add_argument(
         "--cache_budget",

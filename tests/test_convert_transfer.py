@@ -1142,3 +1142,25 @@ def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpu
     save_converted(*convert(llama(), "Q-K=V", "key"), unbiased, tokenizer)
     with pytest.raises(TrainingSetupError, match="o_proj layers have no bias"):
         distill(unbiased, source_dir, corpus, corpus, tmp_path / "refused", centred)
+
+
+def test_convert_centres_the_output_projections_of_a_biased_source_and_refuses_an_unbiased_one(
+    source_dir, corpus, tmp_path, capsys
+):
+    """`--distill_centre_output_projections` reaches stage (c) (recorded), and a source without attention biases
+    (no o_proj bias to take the constant) is refused before any work, naming the flag."""
+    import qkvshare_cli
+
+    argv = convert_argv(source_dir, corpus, tmp_path / "plain", "--distill_tokens", "256")
+    assert qkvshare_cli.main([*argv, "--distill_centre_output_projections"]) == 2
+    err = capsys.readouterr().err
+    assert "--distill_centre_output_projections moves the constant" in err and "drop the flag" in err, err
+    assert not (tmp_path / "plain").exists() and not (tmp_path / ".plain.qkvshare-convert").exists()
+
+    biased = tmp_path / "biased"
+    llama(attention_bias=True).save_pretrained(biased)
+    AutoTokenizer.from_pretrained(source_dir).save_pretrained(biased)
+    argv = convert_argv(biased, corpus, tmp_path / "out", "--distill_tokens", "256")
+    assert qkvshare_cli.main([*argv, "--distill_centre_output_projections"]) == 0
+    distilled = json.loads((tmp_path / "out" / "conversion.json").read_text())["stages"]["distill"]
+    assert distilled["centre_output_projections"] is True and distilled["tokens"] >= 256

@@ -113,6 +113,19 @@ def check_trainable_modules(config: Any, settings: DistillSettings) -> None:
         raise ValueError(problem + ", or give all (every parameter).")
 
 
+def check_centring(config: Any, settings: DistillSettings) -> None:
+    """A `ValueError` before any work when `settings.centre_output_projections` has no biased output projection of
+    `config`'s model to centre (the bias takes the constant)."""
+    if settings.centre_output_projections and not any(
+        OUTPUT_PROJECTION in name and name.endswith("bias") for name in _parameters(config)
+    ):
+        raise ValueError(
+            "--distill_centre_output_projections moves the constant of the output projections' inputs into their "
+            "biases, but the converted model's o_proj layers have none (its source has no attention biases): drop "
+            "the flag."
+        )
+
+
 def check_distill_memory(config: Any, settings: DistillSettings) -> None:
     """A `ValueError` before any work when stage (c) would not fit in memory even one block at a time."""
     free = available_bytes()

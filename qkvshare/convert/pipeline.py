@@ -22,6 +22,7 @@ from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import (
     besides_output_projections,
+    check_centring,
     check_distill_memory,
     check_trainable_modules,
     run_distillation,
@@ -71,6 +72,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
         if args.distill_tokens > 0:
             settings = distill_settings(args)
             check_trainable_modules(config, settings)
+            check_centring(config, settings)
             check_distill_memory(config, settings)
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None
@@ -146,6 +148,7 @@ TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate", "eval_steps": "tra
 DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_rate", "temperature", "lm_weight")}
 DISTILL_FLAGS |= {"hidden_weight": "distill_hidden_weight", "bf16": "distill_bf16"}
 DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
+DISTILL_FLAGS |= {"centre_output_projections": "distill_centre_output_projections"}
 
 
 def with_distill_precision(args: ConvertArgs) -> ConvertArgs:
