@@ -83,6 +83,12 @@ def parse_args() -> argparse.Namespace:
         "where convert's default follows the device)",
     )
     p.add_argument(
+        "--centre_output_projections",
+        action="store_true",
+        help="stage (c)'s steps on the biased output projections centred (rows '-centred'; convert's "
+        "--distill_centre_output_projections)",
+    )
+    p.add_argument(
         "--tag",
         default="",
         help="appended to the rows' labels and the stages' work folder: rows made with other settings "
@@ -126,8 +132,8 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX", "-hidW" and "-bf16" (stage (c)'s
-        peak, hidden-state loss weight and precision)."""
+        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX", "-hidW", "-bf16" and "-centred" (stage
+        (c)'s peak, hidden-state loss weight, precision and centred output projections)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
@@ -139,6 +145,8 @@ class Maker:
             row += f"-hid{self.args.hidden_weight:g}"
         if distilled and self.args.bf16:
             row += "-bf16"
+        if distilled and self.args.centre_output_projections:
+            row += "-centred"
         return row
 
     def done(self, row: str) -> bool:
@@ -170,6 +178,7 @@ class Maker:
             **({"distill_learning_rate": a.distill_learning_rate} if a.distill_learning_rate is not None else {}),
             **({"distill_hidden_weight": a.hidden_weight} if a.hidden_weight is not None else {}),
             distill_bf16=a.bf16,
+            distill_centre_output_projections=a.centre_output_projections,
             overwrite_output_dir=True,
             **extra,
         )
@@ -273,6 +282,11 @@ class Maker:
             teacher_model=self.source,  # the source it holds: not loaded a second time
         )
         seconds = time.perf_counter() - started
+        if "diverged" in metrics:  # stopped by stage (c)'s divergence watch: no row to measure
+            raise SystemExit(
+                f"{row}: stage (c) diverged ({metrics['diverged']}); the model of stages (a)-(b) is {stage_model}. "
+                "Try --trainable_modules without o_proj, or --centre_output_projections."
+            )
         self.finish(row, folder, seconds=seconds, tokens=metrics["tokens_seen"], budget=budget, **extra)
 
     def make_recipe(self) -> None:
