@@ -9,7 +9,9 @@ import without torch.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -123,3 +125,11 @@ def describe_disk_full(path: str | Path, needed: int | None = None) -> str:
     sizes.append(f"about {needed / 2**20:,.1f} MiB needed" if needed is not None else None)
     shown = ", ".join(s for s in sizes if s)
     return f"the disk holding {Path(path).expanduser()} is full{f' ({shown})' if shown else ''}: free space there or write elsewhere"
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a temporary name beside `path`, then rename it to `path`: a reader (or a resumed run) never
+    sees a partly written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
-from qkvshare.runtime import MEMORY_SHARE, available_bytes
+from qkvshare.runtime import MEMORY_SHARE, available_bytes, write_whole
 from qkvshare.train.distill import distill
 from qkvshare.train.pretrain import no_match, trained_names
 from qkvshare_settings.train import DistillSettings
@@ -36,9 +36,7 @@ def write_text_file(path: Path, texts: Iterable[str], tokenizer: Any, tokens: in
         count += len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) + 1
         if count >= 1.1 * tokens + 2048:
             break
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(lines))
-    tmp.replace(path)
+    write_whole(path, lambda tmp: tmp.write_text("".join(lines)))
     return count
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,7 +51,7 @@ from transformers.utils import logging
 
 from qkvshare.convert.calibration import causal_mask, o_proj_input
 from qkvshare.convert.weights import fit_head_maps, fold_into_o_proj
-from qkvshare.runtime import MEMORY_SHARE, available_bytes
+from qkvshare.runtime import MEMORY_SHARE, available_bytes, write_whole
 from qkvshare.train.schedule import get_lr
 from qkvshare_settings.convert import DEFAULT_RIDGE, DEFAULT_TRANSFER_RIDGE
 
@@ -253,12 +252,6 @@ def normalised_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 # Saved state: one folder per conversion, every file written whole (temporary name, then os.replace)
 # --------------------------------------------------------------------------------------------------------------
-def _atomic_save(write: Callable[[Path], None], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 class StageFiles:
     """Where stages (a) and (b) keep their results inside a conversion's work folder (None: nothing saved)."""
 
@@ -283,7 +276,7 @@ class StageFiles:
         path = self.layer_file(stage, layer)
         if path is not None:
             state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
-            _atomic_save(lambda p: save_file(state, str(p)), path)
+            write_whole(path, lambda p: save_file(state, str(p)))
 
     @property
     def progress_file(self) -> Path | None:
@@ -298,7 +291,7 @@ class StageFiles:
 
     def save_progress(self, state: dict[str, Any]) -> None:
         if self.progress_file is not None:
-            _atomic_save(lambda p: torch.save(state, p), self.progress_file)
+            write_whole(self.progress_file, lambda p: torch.save(state, p))
 
     def clear_progress(self) -> None:
         if self.progress_file is not None and self.progress_file.is_file():
@@ -310,7 +303,7 @@ class StageFiles:
 
     def save_errors(self, errors: dict[str, Any]) -> None:
         if self.root is not None:
-            _atomic_save(lambda p: p.write_text(json.dumps(errors, indent=2)), self.root / ERRORS_FILE)
+            write_whole(self.root / ERRORS_FILE, lambda p: p.write_text(json.dumps(errors, indent=2)))
 
 
 class StopAfter(Exception):

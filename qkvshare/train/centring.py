@@ -13,8 +13,8 @@ The parameters stay the model's own (`W` and `b`, saved and loaded as always); o
   the gradient with respect to `c`);
 - after it, `b -= (W_new - W_old) mu`, so that `b` stays `c - W mu` while AdamW's state follows `(W, c)`.
 Exact for the step AdamW takes (decoupled weight decay included); gradient clipping before the step sees the
-uncentred gradients. The means are measured once, on the run's first training batch, and saved in the run's output
-folder, so a resumed run centres on the same `mu`.
+uncentred gradients. The means are measured once, on the run's first validation blocks (the same on every rank), and saved in the run's
+output folder, so a resumed run centres on the same `mu`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from qkvshare.runtime import write_whole
 
 MEANS_FILE = "output_projection_means.safetensors"
 
@@ -104,7 +106,5 @@ def centring(model: torch.nn.Module, folder: Path, run_forward: Any, save: bool 
         means = measure_means(model, run_forward)
         if save:
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            save_file({name: mean.cpu() for name, mean in means.items()}, tmp)
-            tmp.replace(path)
+            write_whole(path, lambda tmp: save_file({name: mean.cpu() for name, mean in means.items()}, tmp))
     return CentredOutputProjections(model, means)
