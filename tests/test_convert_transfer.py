@@ -1145,7 +1145,7 @@ def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpu
 
 
 def test_convert_centres_the_output_projections_of_a_biased_source_and_refuses_an_unbiased_one(
-    source_dir, corpus, tmp_path, capsys
+    source_dir, corpus, tmp_path, capsys, monkeypatch
 ):
     """`--distill_centre_output_projections` reaches stage (c) (recorded), and a source without attention biases
     (no o_proj bias to take the constant) is refused before any work, naming the flag."""
@@ -1155,12 +1155,36 @@ def test_convert_centres_the_output_projections_of_a_biased_source_and_refuses_a
     assert qkvshare_cli.main([*argv, "--distill_centre_output_projections"]) == 2
     err = capsys.readouterr().err
     assert "--distill_centre_output_projections moves the constant" in err and "drop the flag" in err, err
+    assert "(its source has no attention biases)" in err
     assert not (tmp_path / "plain").exists() and not (tmp_path / ".plain.qkvshare-convert").exists()
 
     biased = tmp_path / "biased"
     llama(attention_bias=True).save_pretrained(biased)
     AutoTokenizer.from_pretrained(source_dir).save_pretrained(biased)
     argv = convert_argv(biased, corpus, tmp_path / "out", "--distill_tokens", "256")
+    # with the output projections frozen there is nothing to centre: refused before stages (a)-(b), not after
+    frozen = [*argv, "--distill_centre_output_projections", "--distill_trainable_modules", "q_proj", "k_proj"]
+    assert qkvshare_cli.main(frozen) == 2
+    assert "(none of them trains)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.qkvshare-convert").exists()
     assert qkvshare_cli.main([*argv, "--distill_centre_output_projections"]) == 0
     distilled = json.loads((tmp_path / "out" / "conversion.json").read_text())["stages"]["distill"]
     assert distilled["centre_output_projections"] is True and distilled["tokens"] >= 256
+
+    # a centred run that diverges trains again with the output projections frozen, and so uncentred (the trainer
+    # refuses centring with nothing to centre: this conversion used to stop there, after stages (a)-(b))
+    import qkvshare.convert.distill as distill_module
+    from qkvshare.convert.distill import DistillationDiverged, DivergenceWatch
+
+    class FirstRunDiverges(DivergenceWatch):
+        def __call__(self, step, loss, model):
+            super().__call__(step, loss, model)
+            if self.path.name == "distill-losses.json":
+                raise DistillationDiverged(step, list(self.losses))
+
+    monkeypatch.setattr(distill_module, "DivergenceWatch", FirstRunDiverges)
+    argv = convert_argv(biased, corpus, tmp_path / "retried", "--distill_tokens", "256")
+    assert qkvshare_cli.main([*argv, "--distill_centre_output_projections"]) == 0
+    distilled = json.loads((tmp_path / "retried" / "conversion.json").read_text())["stages"]["distill"]
+    assert distilled["first_run"]["diverged"]["step"] == 1 and distilled["centre_output_projections"] is False
+    assert "o_proj" not in " ".join(distilled["trainable_modules"]) and "kl_to_source" in distilled

@@ -114,13 +114,15 @@ def check_trainable_modules(config: Any, settings: DistillSettings) -> None:
 def check_centring(config: Any, settings: DistillSettings) -> None:
     """A `ValueError` before any work when `settings.centre_output_projections` has no biased output projection of
     `config`'s model to centre (the bias takes the constant)."""
-    if settings.centre_output_projections and not any(
-        OUTPUT_PROJECTION in name and name.endswith("bias") for name in _parameters(config)
-    ):
+    if not settings.centre_output_projections:
+        return
+    trained = trained_names(list(_parameters(config)), settings.trainable_modules)
+    if not any(OUTPUT_PROJECTION in name and name.endswith("bias") for name in trained):
+        why = "its source has no attention biases" if config.attention_bias is False else "none of them trains"
         raise ValueError(
             "--distill_centre_output_projections moves the constant of the output projections' inputs into their "
-            "biases, but the converted model's o_proj layers have none (its source has no attention biases): drop "
-            "the flag."
+            f"biases, but the converted model's o_proj layers have none that train ({why}): drop the flag, or let "
+            "--distill_trainable_modules include o_proj."
         )
 
 

@@ -262,7 +262,9 @@ def distil(
         # the default trains everything: train again without the output projections (which diverged on
         # Qwen2.5-Coder-0.5B with every layer tied; the rest converged, docs/results.md section 11.3)
         first_run = {"trainable_modules": settings.trainable_modules, "diverged": metrics["diverged"]}
-        settings = dataclasses.replace(settings, trainable_modules=besides_output_projections(config))
+        # (nothing left to centre: the output projections are frozen)
+        frozen = besides_output_projections(config)
+        settings = dataclasses.replace(settings, trainable_modules=frozen, centre_output_projections=False)
         print(
             f"qkvshare convert: warning: stage (c) {_diverged(metrics['diverged'])}; it trains again from the model "
             "of stages (a)-(b) without the attention's output projections (--distill_trainable_modules "
