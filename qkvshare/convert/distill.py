@@ -118,11 +118,12 @@ def check_centring(config: Any, settings: DistillSettings) -> None:
         return
     trained = trained_names(list(_parameters(config)), settings.trainable_modules)
     if not any(OUTPUT_PROJECTION in name and name.endswith("bias") for name in trained):
-        why = "its source has no attention biases" if config.attention_bias is False else "none of them trains"
+        unbiased = config.attention_bias is False
+        why = "its source has no attention biases" if unbiased else "none of them trains"
+        fix = "drop the flag" + ("" if unbiased else ", or let --distill_trainable_modules include o_proj")
         raise ValueError(
             "--distill_centre_output_projections moves the constant of the output projections' inputs into their "
-            f"biases, but the converted model's o_proj layers have none that train ({why}): drop the flag, or let "
-            "--distill_trainable_modules include o_proj."
+            f"biases, but the converted model's o_proj layers have none that train ({why}): {fix}."
         )
 
 
