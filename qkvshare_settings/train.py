@@ -167,7 +167,7 @@ class TrainArguments:
         False,
         "AdamW steps on the attention output projections taken as if their inputs were centred on their mean (the "
         "constant moved into the bias; the saved weights are the usual ones): for models whose values carry large "
-        "constants, e.g. a converted Qwen2 with key and value tied; needs o_proj biases",
+        "constants, e.g. a converted Qwen2 with key and value tied; needs o_proj biases, not under FSDP or DeepSpeed",
     )
     bf16: bool = flag(False, "bf16 mixed precision")
     fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")

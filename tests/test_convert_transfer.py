@@ -1142,6 +1142,14 @@ def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpu
     save_converted(*convert(llama(), "Q-K=V", "key"), unbiased, tokenizer)
     with pytest.raises(TrainingSetupError, match="o_proj layers have no bias"):
         distill(unbiased, source_dir, corpus, corpus, tmp_path / "refused", centred)
+    # FSDP and DeepSpeed shard the weight and bias the centring updates together: refused before the model is used
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(TrainingSetupError, match=f"which {kind.value} shards across processes: train with DDP"):
+            pretrain.centre_output_projections(SimpleNamespace(distributed_type=kind), None, None, None)
 
 
 def test_convert_centres_the_output_projections_of_a_biased_source_and_refuses_an_unbiased_one(

@@ -609,6 +609,13 @@ def centre_output_projections(accelerator: Any, args: Arguments, model: Any, val
     """--centre_output_projections: the centring (`centring.CentredOutputProjections`) of the model's biased output
     projections on their mean inputs, measured on the first validation blocks (the same on every rank) before the
     first step, or read back from the output folder where the run saved them (a resumed run)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise TrainingSetupError(
+            f"--centre_output_projections updates each o_proj's whole weight and bias together, which "
+            f"{accelerator.distributed_type.value} shards across processes: train with DDP or one process, or drop the flag."
+        )
     unwrapped = accelerator.unwrap_model(model)
     if not output_projections(unwrapped):
         raise TrainingSetupError(
