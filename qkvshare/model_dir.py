@@ -39,6 +39,7 @@ from qkvshare.configuration_qkvshare import LLAMA_ARCHITECTURES, llama_config_di
 from qkvshare_settings.conventions import TOKENIZER_FILES
 from qkvshare_settings.convert import check_source_path
 
+SAFETENSORS_WEIGHTS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth")
 REPAIR = "Re-download the model, or re-save it with save_pretrained."
@@ -117,7 +118,9 @@ def check_safetensors_file(path: Path) -> None:
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a model directory (sharded via its index, or globbed), each checked complete.
+    """The safetensors files of a model directory, each checked complete: the shards its index names, or else
+    `model.safetensors` (the files transformers loads; other safetensors files beside them, such as a PEFT
+    adapter or a training run's own state, are not the model's weights).
 
     An index that lists a missing shard, a truncated file or a damaged header raises `ModelDirError` naming the
     file. Returns [] when the directory holds no safetensors weights at all (the caller decides what that means).
@@ -136,7 +139,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
                 f"is incomplete. {REPAIR}"
             )
     else:
-        files = sorted(model_dir.glob("*.safetensors"))
+        files = [path for path in [model_dir / SAFETENSORS_WEIGHTS] if path.is_file()]
     for path in files:
         check_safetensors_file(path)
     return files

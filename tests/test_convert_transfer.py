@@ -1097,6 +1097,7 @@ def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpu
 
     from safetensors.torch import load_file
 
+    from qkvshare.model_dir import check_weights_fit_config
     from qkvshare.train import pretrain
     from qkvshare.train.centring import MEANS_FILE
     from qkvshare.train.distill import distill
@@ -1122,6 +1123,7 @@ def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpu
     assert sorted(means) == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
     # measured on the converted model: its value carries the key's large bias, so the means are large
     assert max(m.abs().max().item() for m in means.values()) > 5
+    check_weights_fit_config(whole)  # the means file beside the weights is not taken for a shard of them
 
     agreed = pretrain.StopRequest.agreed
     monkeypatch.setattr(pretrain.StopRequest, "agreed", lambda self, accelerator: signal.SIGINT)

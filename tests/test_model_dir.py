@@ -148,3 +148,13 @@ def test_what_transformers_accepts_is_accepted(tmp_path):
     saved = saved_shapes((tmp_path / "untied").glob("*.safetensors"))
     saved["model.rotary_emb.inv_freq"] = (8,)  # older checkpoints saved the RoPE frequencies
     assert weight_mismatches(saved, untied.config, AutoModelForCausalLM) == ([], [], {})
+    # other safetensors files beside model.safetensors are not the model's weights (transformers loads only it):
+    # a training run's centring means, a PEFT adapter
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.self_attn.o_proj": torch.zeros(32)}, tmp_path / "untied" / "means.safetensors")
+    save_file(
+        {"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 32)},
+        tmp_path / "untied" / "adapter_model.safetensors",
+    )
+    check_weights_fit_config(tmp_path / "untied", model_class=AutoModelForCausalLM)
