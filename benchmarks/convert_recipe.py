@@ -18,7 +18,8 @@ Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
 - `budgets` (TEXT): the same stages under `--budgets` (the layers `--budget_choice` ranks first tied: `kl`, the
   convert default, the whole model's KL with the layer alone tied; `error`, stage (b)'s error, rows "-by-error";
   the others the source's own), no further training;
-- `abc` (TEXT): `ab` distilled (stage (c), `--distill_tokens` on the mix's train split), every layer tied;
+- `abc` (TEXT): `ab` distilled (the conversion's own stage (c), its retry without the output projections included;
+  `--distill_tokens` on the mix's train split), every layer tied;
 - `budgets-abc` (TEXT): each of `--distill_budgets` distilled;
 - `recipe`: the command itself with its defaults, end to end (`qkvshare convert SRC --variant Q-K=V --method
   transfer`, the default text written once into `--self_text_dir`): the wall time of the whole default recipe,
@@ -258,36 +259,32 @@ class Maker:
                 self.finish(row, self.save(row, mixed, mixed_record), seconds=more, tokens=tokens, budget=budget)
 
     def make_distilled(self, text: str, budget: float | None) -> None:
-        from qkvshare.convert.distill import run_distillation
-        from qkvshare.convert.pipeline import distill_settings
+        """Stages (a)+(b) on `text` under `budget`, then the conversion's own stage (c) (`pipeline.distil`: its
+        retry without the output projections included) in OUT/work/ROW; the row's model is saved with its record."""
+        from qkvshare.convert.pipeline import distil
 
         row = self.label(f"abc-{slug(text)}" if budget is None else f"budget-{budget}-abc-{slug(text)}", budget, True)
         if self.done(row):
             return
-        mix = self.text(text)[0]
+        mix, _, validation, _, _ = self.text(text)
         model, record, _ = self.stages(text, budget)
         stage_model = self.save(row + "-stages", model, record)
+        del model
         extra = {"trainable_modules": self.args.trainable_modules} if self.args.trainable_modules else {}
-        settings = distill_settings(self.settings(text, row, **{f"distill_{k}": v for k, v in extra.items()}))
+        args = self.settings(text, row, **{f"distill_{k}": v for k, v in extra.items()})
         started = time.perf_counter()
-        work = self.out / "work" / row
-        folder, metrics = run_distillation(
-            stage_model,
-            str(self.src),
-            mix.documents("train"),
-            mix.documents("validation"),
-            self.tokenizer,
-            work,
-            settings,
-            teacher_model=self.source,  # the source it holds: not loaded a second time
+        distilled = distil(
+            args, self.source, stage_model, record, self.tokenizer, mix, validation, self.out / "work" / row
         )
         seconds = time.perf_counter() - started
-        if "diverged" in metrics:  # stopped by stage (c)'s divergence watch: no row to measure
+        stage = record.stages["distill"]
+        if "diverged" in stage:  # every run of stage (c) diverged: the row would be the model of stages (a)-(b)
             raise SystemExit(
-                f"{row}: stage (c) diverged ({metrics['diverged']}); the model of stages (a)-(b) is {stage_model}. "
-                "Try --trainable_modules without o_proj, or --centre_output_projections."
+                f"{row}: stage (c) diverged ({stage['diverged']}); the model of stages (a)-(b) is {stage_model}."
             )
-        self.finish(row, folder, seconds=seconds, tokens=metrics["tokens_seen"], budget=budget, **extra)
+        path = self.save(row, distilled, record)
+        retried = {"first_run": stage["first_run"]} if "first_run" in stage else {}
+        self.finish(row, path, seconds=seconds, tokens=stage["tokens"], budget=budget, **extra, **retried)
 
     def make_recipe(self) -> None:
         from qkvshare.convert import convert_checkpoint
