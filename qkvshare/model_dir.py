@@ -139,7 +139,8 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
                 f"is incomplete. {REPAIR}"
             )
     else:
-        files = [path for path in [model_dir / SAFETENSORS_WEIGHTS] if path.is_file()]
+        single = model_dir / SAFETENSORS_WEIGHTS
+        files = [single] if single.is_file() else []
     for path in files:
         check_safetensors_file(path)
     return files

@@ -113,7 +113,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(model, tokenizer, tmp_p
     with pytest.raises(Killed):
         generate_self_text(model, tokenizer, settings, work, 600, progress=False, on_shard=kill_after_two)
     assert sorted(p.name for p in work.glob("shard-*.json")) == ["shard-000000.json", "shard-000001.json"]
-    (work / ".shard-000002.json.tmp-1").write_text('{"index": 2, "samp')  # a write cut short by the kill
+    (work / "shard-000002.json.tmp").write_text('{"index": 2, "samp')  # a write cut short by the kill
     resumed = generate_self_text(model, tokenizer, settings, work, 600, progress=False)
     assert resumed.generated_shards == whole.shards - 2
     assert ids_of(resumed) == ids_of(whole)

@@ -97,7 +97,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -112,7 +111,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from qkvshare.convert.calibration import calibration_ids
-from qkvshare.runtime import MEMORY_SHARE, available_bytes, free_bytes
+from qkvshare.runtime import MEMORY_SHARE, available_bytes, free_bytes, write_whole
 
 logger = logging.get_logger(__name__)
 
@@ -667,12 +666,6 @@ class _Context:
 # The work folder
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _sample_to_json(sample: Sample) -> dict[str, Any]:
     return {
         "index": sample.index,
@@ -733,7 +726,8 @@ class _Folder:
                     "the shards generated now may differ in the last digits from what an uninterrupted run gave."
                 )
         elif create:
-            _atomic_write(manifest, json.dumps(wanted | {"environment": _environment()}, indent=1))
+            text = json.dumps(wanted | {"environment": _environment()}, indent=1)
+            write_whole(manifest, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     def load(self, index: int) -> list[Sample] | None:
         shard = self.load_shard(index)
@@ -759,7 +753,8 @@ class _Folder:
         if self.path is None:
             return
         data = {"index": index, "seconds": round(seconds, 3), "samples": [_sample_to_json(s) for s in samples]}
-        _atomic_write(self.path / SHARD.format(index), json.dumps(data, ensure_ascii=False))
+        text = json.dumps(data, ensure_ascii=False)
+        write_whole(self.path / SHARD.format(index), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     def cached(self) -> list[int]:
         if self.path is None or not self.path.is_dir():
