@@ -147,16 +147,18 @@ def source_reference(source, inputs: dict, domain: str, args, recompute: bool = 
     """(the source's float16 log-probabilities on the `domain` blocks, its BlockScores or None when read back),
     computed once (`recompute`: again) and kept in `--output_dir` (0.8 GB per domain for 16 blocks of 512 tokens of
     SmolLM2's vocabulary), so each model costs one forward per block, not two."""
-    from qkvshare.evaluation import fidelity
+    from safetensors.torch import load_file, save_file
 
-    path = Path(args.output_dir) / f"reference-{domain}.pt"
+    from qkvshare.evaluation import fidelity
+    from qkvshare.runtime import write_whole
+
+    path = Path(args.output_dir) / f"reference-{domain}.safetensors"
     if path.is_file() and not recompute:
-        return torch.load(path, weights_only=True), None
+        return load_file(path)["log_probs"], None
     reference, scores = fidelity.reference_log_probs(
         source, inputs[domain], args.batch_size, progress=f"source {domain}"
     )
-    torch.save(reference, path.with_suffix(".partial"))
-    os.replace(path.with_suffix(".partial"), path)
+    write_whole(path, lambda tmp: save_file({"log_probs": reference}, tmp))
     return reference, scores
 
 

@@ -104,9 +104,10 @@ def fetch_source(cache: Path) -> Path:
 def plain_source_dir(cache: Path, gguf_path: Path) -> Path:
     """A plain Llama model directory (safetensors + tokenizer) of the de-quantized GGUF, made once."""
     from qkvshare.convert import load_source, load_source_tokenizer
+    from qkvshare.model_dir import SAFETENSORS_WEIGHTS
 
     out = cache / "smollm2-135m-instruct-llama"
-    if not (out / "model.safetensors").is_file():
+    if not (out / SAFETENSORS_WEIGHTS).is_file():
         started = time.perf_counter()
         model = load_source(str(gguf_path))
         model.save_pretrained(out, safe_serialization=True)

@@ -501,10 +501,11 @@ def qwen_gguf(cache: Path) -> tuple[Path, dict]:
 def qwen_source_dir(cache: Path) -> Path:
     """A plain Qwen2 model directory (safetensors + tokenizer) of the de-quantized GGUF, made once (needs `gguf`)."""
     from qkvshare.convert import load_source, load_source_tokenizer
+    from qkvshare.model_dir import SAFETENSORS_WEIGHTS
 
     gguf_path, _ = qwen_gguf(cache)
     out = cache / "qwen2.5-coder-0.5b-instruct-qwen2"
-    if not (out / "model.safetensors").is_file():
+    if not (out / SAFETENSORS_WEIGHTS).is_file():
         started = time.perf_counter()
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)

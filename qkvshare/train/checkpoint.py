@@ -33,6 +33,7 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from qkvshare.model_dir import SAFETENSORS_WEIGHTS
 from qkvshare.runtime import free_bytes, is_disk_full
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.train import TrainingSetupError
@@ -239,8 +240,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     manifest = state.get("files")
     if manifest is None:  # written before manifests existed: at least the weights must be there
         manifest = {}
-        if not any((path / name).exists() for name in ("model.safetensors", "pytorch_model_fsdp_0")):
-            return f"{path} holds no model weights (model.safetensors)"
+        if not any((path / name).exists() for name in (SAFETENSORS_WEIGHTS, "pytorch_model_fsdp_0")):
+            return f"{path} holds no model weights ({SAFETENSORS_WEIGHTS})"
     for rel, size in sorted(manifest.items()):
         file = path / rel
         if not file.is_file():
