@@ -413,13 +413,17 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoTokenizer
 
-    from qkvshare.evaluation.common import check_causal_lm
+    from qkvshare.evaluation.common import EvalInputError, check_causal_lm
+    from qkvshare.model_dir import ModelDirError
 
     cache, out = Path(args.cache_dir).expanduser(), Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     models = labelled(args.models)
-    for path in models.values():  # a typo in the last directory fails now, not after the first row
-        check_causal_lm(str(path))
+    for label, path in models.items():  # a typo in the last directory fails now, not after the first row
+        try:
+            check_causal_lm(str(path))
+        except (EvalInputError, ModelDirError) as err:
+            raise SystemExit(f"convert_knowledge.py: --models {label}={path}: {err}") from None
+    out.mkdir(parents=True, exist_ok=True)
     src_path, described = source_dir(args.source, cache)
     settings = {k: getattr(args, k) for k in SETTINGS}
     results_path = out / "results.json"
