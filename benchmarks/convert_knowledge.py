@@ -159,6 +159,7 @@ def source_reference(source, inputs: dict, domain: str, args, recompute: bool = 
         source, inputs[domain], args.batch_size, progress=f"source {domain}"
     )
     write_whole(path, lambda tmp: save_file({"log_probs": reference}, tmp))
+    path.with_suffix(".pt").unlink(missing_ok=True)  # the pickled copy earlier versions kept (up to 2.5 GB)
     return reference, scores
 
 
