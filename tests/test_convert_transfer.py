@@ -337,7 +337,8 @@ def test_stage_b_keeps_each_layers_best_state_on_the_validation_tokens():
 
 @pytest.mark.parametrize("kill_at", [(0, 7), (1, 15), (1, 38)])
 def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_path):
-    """Killed inside stage (b) (between saves, on a save, near the end), then rerun on the same work folder."""
+    """Killed inside stage (b) (between saves, on a save, near the end), then rerun on the same work folder; the
+    progress is safetensors (module, best state, Adam's moments), and it resumes to the same bytes."""
     source = llama(2)
     reference, reference_record = transferred(source, "Q-K=V")
 
@@ -347,12 +348,15 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_
 
     with pytest.raises(StopAfter):
         transferred(source, "Q-K=V", tmp_path, kill)
+    old_progress = tmp_path / "transfer" / "in-progress.pt"  # an earlier version's pickle: never read, removed
+    old_progress.write_bytes(b"not a pickle")
     resumed, record = transferred(source, "Q-K=V", tmp_path)
+    assert not old_progress.exists()
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert record["layer_errors"] == reference_record["layer_errors"]
     assert record["stages"]["transfer"]["best_step"] == reference_record["stages"]["transfer"]["best_step"]
-    assert not (tmp_path / "transfer" / "in-progress.pt").exists()
+    assert not (tmp_path / "transfer" / "in-progress.safetensors").exists()
 
 
 def test_a_killed_closed_form_stage_resumes_from_its_saved_layers(tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging
@@ -59,6 +60,8 @@ logger = logging.get_logger(__name__)
 
 STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" follows on the command line
 ERRORS_FILE = "errors.json"
+PROGRESS_FILE = "in-progress.safetensors"  # stage (b)'s layer in progress
+OLD_PROGRESS_FILE = "in-progress.pt"
 
 
 @dataclass
@@ -280,22 +283,31 @@ class StageFiles:
 
     @property
     def progress_file(self) -> Path | None:
-        return None if self.root is None else self.root / "transfer" / "in-progress.pt"
+        return None if self.root is None else self.root / "transfer" / PROGRESS_FILE
 
     def load_progress(self, layer: int) -> dict[str, Any] | None:
+        """Stage (b)'s saved state of `layer` (None without one, or when it is another layer's)."""
         path = self.progress_file
-        if path is None or not path.is_file():
+        if path is None:
             return None
-        saved = torch.load(path, weights_only=True)
-        return saved if saved["layer"] == layer else None
+        path.with_name(OLD_PROGRESS_FILE).unlink(missing_ok=True)  # pickled by earlier versions: that layer restarts
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["progress"])
+            if meta["layer"] != layer:
+                return None
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return unpack_progress(meta, tensors)
 
     def save_progress(self, state: dict[str, Any]) -> None:
         if self.progress_file is not None:
-            write_whole(self.progress_file, lambda p: torch.save(state, p))
+            meta, tensors = pack_progress(state)
+            write_whole(self.progress_file, lambda p: save_file(tensors, str(p), metadata={"progress": meta}))
 
     def clear_progress(self) -> None:
-        if self.progress_file is not None and self.progress_file.is_file():
-            self.progress_file.unlink()
+        if self.progress_file is not None:
+            self.progress_file.unlink(missing_ok=True)
 
     def load_errors(self) -> dict[str, Any]:
         path = None if self.root is None else self.root / ERRORS_FILE
@@ -304,6 +316,42 @@ class StageFiles:
     def save_errors(self, errors: dict[str, Any]) -> None:
         if self.root is not None:
             write_whole(self.root / ERRORS_FILE, lambda p: p.write_text(json.dumps(errors, indent=2)))
+
+
+def pack_progress(state: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
+    """Stage (b)'s state of a layer in progress as safetensors: the module's and best state's tensors and Adam's
+    per-parameter tensors by name, everything else (step counters, the best error, Adam's param groups and any
+    number it keeps per parameter) as JSON metadata."""
+    tensors = {f"module.{k}": v for k, v in state["module"].items()}
+    tensors |= {f"best.{k}": v for k, v in state["best_state"].items()}
+    numbers: dict[str, Any] = {}
+    for index, entry in state["optimizer"]["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{key}"] = value
+            else:
+                numbers[f"{index}.{key}"] = value
+    meta = {k: state[k] for k in ("layer", "step", "best_step", "best_error")}
+    meta |= {"param_groups": state["optimizer"]["param_groups"], "optimizer_numbers": numbers}
+    return json.dumps(meta), {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+
+def unpack_progress(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The inverse of `pack_progress`: the dict `train_layer` saved."""
+    part = {"module": {}, "best": {}, "optimizer": {}}
+    for name, tensor in tensors.items():
+        kind, key = name.split(".", 1)
+        part[kind][key] = tensor
+    per_param: dict[int, dict[str, Any]] = {}
+    for name, value in [*part["optimizer"].items(), *meta["optimizer_numbers"].items()]:
+        index, key = name.split(".", 1)
+        per_param.setdefault(int(index), {})[key] = value
+    optimizer = {"state": per_param, "param_groups": meta["param_groups"]}
+    return {k: meta[k] for k in ("layer", "step", "best_step", "best_error")} | {
+        "module": part["module"],
+        "optimizer": optimizer,
+        "best_state": part["best"],
+    }
 
 
 class StopAfter(Exception):
