@@ -320,19 +320,14 @@ class StageFiles:
 
 def pack_progress(state: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
     """Stage (b)'s state of a layer in progress as safetensors: the module's and best state's tensors and Adam's
-    per-parameter tensors by name, everything else (step counters, the best error, Adam's param groups and any
-    number it keeps per parameter) as JSON metadata."""
+    per-parameter tensors (its moments and step count) by name, the rest (the layer, step counters, the best error,
+    Adam's param groups) as JSON metadata."""
     tensors = {f"module.{k}": v for k, v in state["module"].items()}
     tensors |= {f"best.{k}": v for k, v in state["best_state"].items()}
-    numbers: dict[str, Any] = {}
     for index, entry in state["optimizer"]["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optimizer.{index}.{key}"] = value
-            else:
-                numbers[f"{index}.{key}"] = value
+        tensors |= {f"optimizer.{index}.{key}": value for key, value in entry.items()}
     meta = {k: state[k] for k in ("layer", "step", "best_step", "best_error")}
-    meta |= {"param_groups": state["optimizer"]["param_groups"], "optimizer_numbers": numbers}
+    meta["param_groups"] = state["optimizer"]["param_groups"]
     return json.dumps(meta), {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 
 
@@ -343,7 +338,7 @@ def unpack_progress(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> d
         kind, key = name.split(".", 1)
         part[kind][key] = tensor
     per_param: dict[int, dict[str, Any]] = {}
-    for name, value in [*part["optimizer"].items(), *meta["optimizer_numbers"].items()]:
+    for name, value in part["optimizer"].items():
         index, key = name.split(".", 1)
         per_param.setdefault(int(index), {})[key] = value
     optimizer = {"state": per_param, "param_groups": meta["param_groups"]}
