@@ -140,7 +140,7 @@ TRANSFER_DEFAULTS = {
     "transfer_eval_steps": 25,
     "distill_tokens": 262144,  # 128 steps of 4 x 512: about 35 minutes for SmolLM2-135M on 2 CPU cores
     "distill_batch_size": 4,
-    "distill_learning_rate": 3e-5,  # 1e-4 helps SmolLM2 all tied, but slows Qwen2 all tied (docs/results.md 11.3)
+    "distill_learning_rate": 3e-5,  # 1e-4 helps SmolLM2 all tied, but hurts Qwen2 all tied (docs/results.md 11.3)
     "distill_temperature": 1.0,
     "distill_lm_weight": 0.0,
     "distill_hidden_weight": 0.0,
