@@ -350,8 +350,12 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_
         transferred(source, "Q-K=V", tmp_path, kill)
     old_progress = tmp_path / "transfer" / "in-progress.pt"  # an earlier version's pickle: never read, removed
     old_progress.write_bytes(b"not a pickle")
-    resumed, record = transferred(source, "Q-K=V", tmp_path)
+    steps_run = []
+    resumed, record = transferred(source, "Q-K=V", tmp_path, lambda layer, step: steps_run.append((layer, step)))
     assert not old_progress.exists()
+    # the finished layers are not trained again, and the killed one goes on from its last save (every 15 steps)
+    layer, step = kill_at
+    assert min(steps_run) == (layer, step // SETTINGS.save_steps * SETTINGS.save_steps + 1), steps_run[:3]
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert record["layer_errors"] == reference_record["layer_errors"]

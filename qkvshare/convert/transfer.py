@@ -62,6 +62,7 @@ STAGES = ("init", "closed_form", "transfer")  # the in-memory stages; "distill" 
 ERRORS_FILE = "errors.json"
 PROGRESS_FILE = "in-progress.safetensors"  # stage (b)'s layer in progress
 OLD_PROGRESS_FILE = "in-progress.pt"
+PROGRESS_NUMBERS = ("layer", "step", "best_step", "best_error")  # kept as JSON beside the progress file's tensors
 
 
 @dataclass
@@ -263,6 +264,8 @@ class StageFiles:
         if root is not None:
             for stage in ("closed_form", "transfer"):
                 (root / stage).mkdir(parents=True, exist_ok=True)
+            # pickled by earlier versions, never read: that layer's stage (b) starts again
+            (root / "transfer" / OLD_PROGRESS_FILE).unlink(missing_ok=True)
 
     def layer_file(self, stage: str, layer: int) -> Path | None:
         return None if self.root is None else self.root / stage / f"layer-{layer:03d}.safetensors"
@@ -288,10 +291,7 @@ class StageFiles:
     def load_progress(self, layer: int) -> dict[str, Any] | None:
         """Stage (b)'s saved state of `layer` (None without one, or when it is another layer's)."""
         path = self.progress_file
-        if path is None:
-            return None
-        path.with_name(OLD_PROGRESS_FILE).unlink(missing_ok=True)  # pickled by earlier versions: that layer restarts
-        if not path.is_file():
+        if path is None or not path.is_file():
             return None
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["progress"])
@@ -326,7 +326,7 @@ def pack_progress(state: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
     tensors |= {f"best.{k}": v for k, v in state["best_state"].items()}
     for index, entry in state["optimizer"]["state"].items():
         tensors |= {f"optimizer.{index}.{key}": value for key, value in entry.items()}
-    meta = {k: state[k] for k in ("layer", "step", "best_step", "best_error")}
+    meta = {k: state[k] for k in PROGRESS_NUMBERS}
     meta["param_groups"] = state["optimizer"]["param_groups"]
     return json.dumps(meta), {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 
@@ -342,7 +342,7 @@ def unpack_progress(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> d
         index, key = name.split(".", 1)
         per_param.setdefault(int(index), {})[key] = value
     optimizer = {"state": per_param, "param_groups": meta["param_groups"]}
-    return {k: meta[k] for k in ("layer", "step", "best_step", "best_error")} | {
+    return {k: meta[k] for k in PROGRESS_NUMBERS} | {
         "module": part["module"],
         "optimizer": optimizer,
         "best_state": part["best"],
