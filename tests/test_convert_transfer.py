@@ -353,7 +353,7 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(kill_at, tmp_
     steps_run = []
     resumed, record = transferred(source, "Q-K=V", tmp_path, lambda layer, step: steps_run.append((layer, step)))
     assert not old_progress.exists()
-    # the finished layers are not trained again, and the killed one goes on from its last save (every 15 steps)
+    # the finished layers are not trained again, and the killed one goes on from its last save (every save_steps)
     layer, step = kill_at
     assert min(steps_run) == (layer, step // SETTINGS.save_steps * SETTINGS.save_steps + 1), steps_run[:3]
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
