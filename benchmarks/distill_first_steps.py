@@ -12,7 +12,14 @@ that fit, the divergence watch off) in OUT/RUN, stopped after `--steps` steps; i
 OUT/RUN-losses.json, so a run already made is not run again. Runs:
 - `all`: every parameter (convert's default first run);
 - `without-o_proj`: every parameter but the attention's output projections (convert's second run after a divergence);
-- `centred`: every parameter, the output projections' steps centred (`DistillSettings.centre_output_projections`).
+- `centred`: every parameter, the output projections' steps centred (`DistillSettings.centre_output_projections`);
+- `gradual`: every parameter, the tie made gradually (`GradualTie`): each tied layer's attention weights are its
+  own plus (1 - a) times their difference from the source's (a frozen residual: q, o, and the source's key and value
+  from the shared projection), a = step / `--tie_steps` up to 1, so step 1 is nearly the source and the model is
+  the converted one (tied) from step `--tie_steps` on. Its losses before that step are not the tied model's;
+- `gradual-warmup`: `gradual` with the learning rate's warmup as long as the tie's (`--tie_steps`);
+- `gradual-outputs`: the blend on each tied layer's attention output instead: (1 - a) x the source layer's (frozen,
+  on the same input) + a x the converted layer's.
 The table: each run's loss (KL to the source, nats per token, on that step's training blocks) by step; step 1's is
 the same model on the same blocks for every run.
 """
@@ -32,13 +39,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import knowledge_data as data  # noqa: E402
 from convert_knowledge import source_dir  # noqa: E402
 
-from qkvshare import QKVShareConfig  # noqa: E402
+from qkvshare import QKVShareConfig, QKVShareForCausalLM  # noqa: E402
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 from qkvshare.convert import distill as stage_c  # noqa: E402
 from qkvshare.runtime import native_bf16  # noqa: E402
 from qkvshare_settings.train import DistillSettings  # noqa: E402
 
-RUNS = ("all", "without-o_proj", "centred")
+RUNS = ("all", "without-o_proj", "centred", "gradual", "gradual-warmup", "gradual-outputs")
 
 
 class Enough(Exception):
@@ -47,16 +54,88 @@ class Enough(Exception):
 
 class StepsWatch(stage_c.DivergenceWatch):
     """Stage (c)'s step hook here: records each step's loss in its file (never stops for a divergence) and stops the
-    run after `steps` steps."""
+    run after `steps` steps; tells the gradual run's blend (`tie`) each step."""
 
     steps = 6
+    tie: GradualTie | None = None
 
     def __call__(self, step: int, loss: float, model: object) -> None:
+        if self.tie is not None:
+            self.tie.step(step)
         self.losses = self.losses[: step - 1] + [loss]
         print(f"{self.path.name}: step {step}: {loss:.4f}", flush=True)
         if step >= self.steps:
             self.path.write_text(json.dumps(self.losses))
             raise Enough
+
+
+class GradualTie:
+    """The `gradual` runs' blend with the source `teacher` (module docstring): installed on the student when the
+    training loop loads it (`load_student`), the source's share set before each step by `step`."""
+
+    def __init__(self, teacher: object, tie_steps: int, outputs: bool = False) -> None:
+        self.teacher, self.tie_steps = teacher, tie_steps
+        self.outputs = outputs  # blend the attention outputs, not the weights
+        self.residual_share = 1.0 - min(1.0, 1 / tie_steps)  # step 1's
+
+    def step(self, step: int) -> None:
+        """After step `step`: the share for the next one."""
+        self.residual_share = 1.0 - min(1.0, (step + 1) / self.tie_steps)
+
+    def _output_hook(self, source_attention: object):
+        def hook(module, args, kwargs, output):
+            c = self.residual_share
+            if c <= 0:
+                return output
+            names = ("hidden_states", "position_embeddings", "attention_mask")
+            theirs = source_attention(**{k: kwargs.get(k) for k in names})[0]
+            return ((1 - c) * output[0] + c * theirs, *output[1:])
+
+        return hook
+
+    def install(self, model: object) -> None:
+        import torch.nn.functional as F
+
+        tie = self
+        if self.outputs:
+            sources = dict(self.teacher.named_modules())
+            for module_name, module in model.named_modules():
+                if module_name.endswith("self_attn") and hasattr(module, "k_proj") and not hasattr(module, "v_proj"):
+                    module.register_forward_hook(self._output_hook(sources[module_name]), with_kwargs=True)
+            return
+        source = {n: p.detach().float() for n, p in self.teacher.named_parameters() if ".self_attn." in n}
+        for module_name, module in model.named_modules():
+            if not (module_name.endswith("self_attn") and hasattr(module, "k_proj") and not hasattr(module, "v_proj")):
+                continue
+            prefix = module_name[module_name.index("layers.") :]
+
+            def residual(name: str, linear: object, prefix: str = prefix) -> tuple:
+                weight = source[f"model.{prefix}.{name}.weight"] - linear.weight.detach().float()
+                bias = source.get(f"model.{prefix}.{name}.bias")
+                bias = None if bias is None else bias - linear.bias.detach().float()
+                return weight.to(linear.weight.dtype), None if bias is None else bias.to(linear.weight.dtype)
+
+            r_q, r_k, r_v = (
+                residual("q_proj", module.q_proj),
+                residual("k_proj", module.k_proj),
+                residual("v_proj", module.k_proj),
+            )
+            r_o = residual("o_proj", module.o_proj)
+
+            def project(hidden, module=module, r_q=r_q, r_k=r_k, r_v=r_v):
+                c = tie.residual_share
+                shared = module.k_proj(hidden)
+                parts = [module.q_proj(hidden), shared, shared]
+                if c > 0:
+                    parts = [x + c * F.linear(hidden, *r) for x, r in zip(parts, (r_q, r_k, r_v), strict=True)]
+                return tuple(x.view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2) for x in parts)
+
+            def o_hook(linear, args, out, r_o=r_o):
+                c = tie.residual_share
+                return out + c * F.linear(args[0], *r_o) if c > 0 else out
+
+            module.project = project
+            module.o_proj.register_forward_hook(o_hook)
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,15 +148,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
     p.add_argument("--learning_rate", type=float, default=DistillSettings.learning_rate)
     p.add_argument("--tokens", type=int, default=262144, help="the run's budget: sets its schedule")
+    p.add_argument("--tie_steps", type=int, default=16, help="the gradual run's steps to the full tie")
     return p.parse_args()
 
 
-def settings_for(run: str, config: QKVShareConfig, base: DistillSettings) -> DistillSettings:
+def settings_for(run: str, config: QKVShareConfig, base: DistillSettings, tie_steps: int) -> DistillSettings:
     if run == "without-o_proj":
         return dataclasses.replace(base, trainable_modules=stage_c.besides_output_projections(config))
+    if run == "gradual-warmup":
+        return dataclasses.replace(base, warmup_steps=tie_steps)
     if run == "centred":
         return dataclasses.replace(base, centre_output_projections=True)
     return base
+
+
+def load_student(tie: GradualTie | None) -> None:
+    """Make the training loop's loading of the student install `tie` (none: the library's own loading)."""
+    from qkvshare.train import pretrain
+
+    if tie is None:
+        pretrain.QKVShareForCausalLM = QKVShareForCausalLM
+        return
+
+    class Blended(QKVShareForCausalLM):
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            model = QKVShareForCausalLM.from_pretrained(*args, **kwargs)
+            tie.install(model)
+            return model
+
+    pretrain.QKVShareForCausalLM = Blended
 
 
 def main() -> None:
@@ -104,6 +204,10 @@ def main() -> None:
             continue
 
         StepsWatch.steps = args.steps
+        StepsWatch.tie = (
+            GradualTie(teacher, args.tie_steps, run == "gradual-outputs") if run.startswith("gradual") else None
+        )
+        load_student(StepsWatch.tie)
         stage_c.DivergenceWatch = StepsWatch
         try:
             stage_c.run_distillation(
@@ -113,7 +217,7 @@ def main() -> None:
                 documents("mixed", "validation"),
                 tokenizer,
                 work,
-                settings_for(run, config, base),
+                settings_for(run, config, base, args.tie_steps),
                 teacher_model=teacher,
                 run=run,
             )
