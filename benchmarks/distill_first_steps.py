@@ -19,7 +19,8 @@ OUT/RUN-losses.json, so a run already made is not run again. Runs:
   the converted one (tied) from step `--tie_steps` on. Its losses before that step are not the tied model's;
 - `gradual-warmup`: `gradual` with the learning rate's warmup as long as the tie's (`--tie_steps`);
 - `gradual-outputs`: the blend on each tied layer's attention output instead: (1 - a) x the source layer's (frozen,
-  on the same input) + a x the converted layer's.
+  on the same input) + a x the converted layer's;
+- `relative`: every parameter, each weight's learning rate scaled down by its size (`relative_optimizer`).
 The table: each run's loss (KL to the source, nats per token, on that step's training blocks) by step; step 1's is
 the same model on the same blocks for every run.
 """
@@ -37,15 +38,17 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import knowledge_data as data  # noqa: E402
+import torch  # noqa: E402
 from convert_knowledge import source_dir  # noqa: E402
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM  # noqa: E402
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 from qkvshare.convert import distill as stage_c  # noqa: E402
 from qkvshare.runtime import native_bf16  # noqa: E402
+from qkvshare.train.pretrain import build_optimizer as pretrain_build_optimizer  # noqa: E402
 from qkvshare_settings.train import DistillSettings  # noqa: E402
 
-RUNS = ("all", "without-o_proj", "centred", "gradual", "gradual-warmup", "gradual-outputs")
+RUNS = ("all", "without-o_proj", "centred", "gradual", "gradual-warmup", "gradual-outputs", "relative")
 
 
 class Enough(Exception):
@@ -162,6 +165,41 @@ def settings_for(run: str, config: QKVShareConfig, base: DistillSettings, tie_st
     return base
 
 
+class ScaledAdamW(torch.optim.AdamW):
+    """AdamW whose groups' learning rates are the loop's times the group's `lr_scale` at each step."""
+
+    def step(self, closure=None):
+        loops = [group["lr"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["lr"] *= group["lr_scale"]
+        try:
+            return super().step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, loops, strict=True):
+                group["lr"] = lr
+
+
+def relative_optimizer(model: torch.nn.Module, args: object) -> torch.optim.AdamW:
+    """The `relative` run's optimizer: the loop's AdamW groups (`pretrain.build_optimizer`), one group per parameter,
+    its learning rate scaled by the parameter's RMS over the median RMS of the weight matrices, at most 1 and at
+    least 0.1: AdamW's early steps move every weight by about the learning rate whatever its size, so weights smaller
+    than the median take proportionally smaller steps (none takes larger ones)."""
+    base = pretrain_build_optimizer(model, args)
+    params = [p for group in base.param_groups for p in group["params"]]
+    rms = {id(p): p.detach().float().pow(2).mean().sqrt().item() for p in params}
+    median = torch.tensor([rms[id(p)] for p in params if p.ndim >= 2]).median().item()
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [p],
+            "lr_scale": min(1.0, max(0.1, rms[id(p)] / median)),
+        }
+        for group in base.param_groups
+        for p in group["params"]
+    ]
+    return ScaledAdamW(groups)
+
+
 def load_student(tie: GradualTie | None) -> None:
     """Make the training loop's loading of the student install `tie` (none: the library's own loading)."""
     from qkvshare.train import pretrain
@@ -208,6 +246,9 @@ def main() -> None:
             GradualTie(teacher, args.tie_steps, run == "gradual-outputs") if run.startswith("gradual") else None
         )
         load_student(StepsWatch.tie)
+        from qkvshare.train import pretrain
+
+        pretrain.build_optimizer = relative_optimizer if run == "relative" else pretrain_build_optimizer
         stage_c.DivergenceWatch = StepsWatch
         try:
             stage_c.run_distillation(
