@@ -45,9 +45,10 @@ from qkvshare import QKVShareConfig, QKVShareForCausalLM  # noqa: E402
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 from qkvshare.convert import distill as stage_c  # noqa: E402
 from qkvshare.runtime import native_bf16  # noqa: E402
-from qkvshare.train.pretrain import build_optimizer as pretrain_build_optimizer  # noqa: E402
+from qkvshare.train import pretrain  # noqa: E402
 from qkvshare_settings.train import DistillSettings  # noqa: E402
 
+library_optimizer = pretrain.build_optimizer
 RUNS = ("all", "without-o_proj", "centred", "gradual", "gradual-warmup", "gradual-outputs", "relative")
 
 
@@ -74,7 +75,7 @@ class StepsWatch(stage_c.DivergenceWatch):
 
 class GradualTie:
     """The `gradual` runs' blend with the source `teacher` (module docstring): installed on the student when the
-    training loop loads it (`load_student`), the source's share set before each step by `step`."""
+    training loop loads it (`patch_training`), the source's share set before each step by `step`."""
 
     def __init__(self, teacher: object, tie_steps: int, outputs: bool = False) -> None:
         self.teacher, self.tie_steps = teacher, tie_steps
@@ -85,60 +86,51 @@ class GradualTie:
         """After step `step`: the share for the next one."""
         self.residual_share = 1.0 - min(1.0, (step + 1) / self.tie_steps)
 
-    def _output_hook(self, source_attention: object):
+    def install(self, model: object) -> None:
+        """Blend every key/value-tied layer of `model` (`QKVShareConfig.is_kv_tied`) with the source's same layer."""
+        sources = self.teacher.model.layers
+        for i, layer in enumerate(model.model.layers):
+            if model.config.is_kv_tied(i):
+                (self._blend_outputs if self.outputs else self._blend_weights)(layer.self_attn, sources[i].self_attn)
+
+    def _blend_outputs(self, attention: object, source: object) -> None:
         def hook(module, args, kwargs, output):
             c = self.residual_share
             if c <= 0:
                 return output
-            names = ("hidden_states", "position_embeddings", "attention_mask")
-            theirs = source_attention(**{k: kwargs.get(k) for k in names})[0]
-            return ((1 - c) * output[0] + c * theirs, *output[1:])
+            theirs = source(**{k: kwargs.get(k) for k in ("hidden_states", "position_embeddings", "attention_mask")})
+            return ((1 - c) * output[0] + c * theirs[0], *output[1:])
 
-        return hook
+        attention.register_forward_hook(hook, with_kwargs=True)
 
-    def install(self, model: object) -> None:
+    def _blend_weights(self, attention: object, source: object) -> None:
         import torch.nn.functional as F
 
-        tie = self
-        if self.outputs:
-            sources = dict(self.teacher.named_modules())
-            for module_name, module in model.named_modules():
-                if module_name.endswith("self_attn") and hasattr(module, "k_proj") and not hasattr(module, "v_proj"):
-                    module.register_forward_hook(self._output_hook(sources[module_name]), with_kwargs=True)
-            return
-        source = {n: p.detach().float() for n, p in self.teacher.named_parameters() if ".self_attn." in n}
-        for module_name, module in model.named_modules():
-            if not (module_name.endswith("self_attn") and hasattr(module, "k_proj") and not hasattr(module, "v_proj")):
-                continue
-            prefix = module_name[module_name.index("layers.") :]
+        def residual(theirs: torch.nn.Linear, ours: torch.nn.Linear) -> tuple:
+            bias = None if theirs.bias is None else (theirs.bias - ours.bias).detach()
+            return (theirs.weight - ours.weight).detach(), bias
 
-            def residual(name: str, linear: object, prefix: str = prefix) -> tuple:
-                weight = source[f"model.{prefix}.{name}.weight"] - linear.weight.detach().float()
-                bias = source.get(f"model.{prefix}.{name}.bias")
-                bias = None if bias is None else bias - linear.bias.detach().float()
-                return weight.to(linear.weight.dtype), None if bias is None else bias.to(linear.weight.dtype)
+        shared = attention.k_proj
+        r_q, r_k, r_v = (
+            residual(source.q_proj, attention.q_proj),
+            residual(source.k_proj, shared),
+            residual(source.v_proj, shared),
+        )
+        r_o = residual(source.o_proj, attention.o_proj)
 
-            r_q, r_k, r_v = (
-                residual("q_proj", module.q_proj),
-                residual("k_proj", module.k_proj),
-                residual("v_proj", module.k_proj),
-            )
-            r_o = residual("o_proj", module.o_proj)
+        def project(hidden):
+            c, states = self.residual_share, attention.k_proj(hidden)
+            parts = [attention.q_proj(hidden), states, states]
+            if c > 0:
+                parts = [x + c * F.linear(hidden, *r) for x, r in zip(parts, (r_q, r_k, r_v), strict=True)]
+            return tuple(x.view(*hidden.shape[:-1], -1, attention.head_dim).transpose(1, 2) for x in parts)
 
-            def project(hidden, module=module, r_q=r_q, r_k=r_k, r_v=r_v):
-                c = tie.residual_share
-                shared = module.k_proj(hidden)
-                parts = [module.q_proj(hidden), shared, shared]
-                if c > 0:
-                    parts = [x + c * F.linear(hidden, *r) for x, r in zip(parts, (r_q, r_k, r_v), strict=True)]
-                return tuple(x.view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2) for x in parts)
+        def o_hook(linear, args, out):
+            c = self.residual_share
+            return out + c * F.linear(args[0], *r_o) if c > 0 else out
 
-            def o_hook(linear, args, out, r_o=r_o):
-                c = tie.residual_share
-                return out + c * F.linear(args[0], *r_o) if c > 0 else out
-
-            module.project = project
-            module.o_proj.register_forward_hook(o_hook)
+        attention.project = project
+        attention.o_proj.register_forward_hook(o_hook)
 
 
 def parse_args() -> argparse.Namespace:
@@ -180,11 +172,11 @@ class ScaledAdamW(torch.optim.AdamW):
 
 
 def relative_optimizer(model: torch.nn.Module, args: object) -> torch.optim.AdamW:
-    """The `relative` run's optimizer: the loop's AdamW groups (`pretrain.build_optimizer`), one group per parameter,
+    """The `relative` run's optimizer: the loop's AdamW groups (`library_optimizer`), one group per parameter,
     its learning rate scaled by the parameter's RMS over the median RMS of the weight matrices, at most 1 and at
     least 0.1: AdamW's early steps move every weight by about the learning rate whatever its size, so weights smaller
     than the median take proportionally smaller steps (none takes larger ones)."""
-    base = pretrain_build_optimizer(model, args)
+    base = library_optimizer(model, args)
     params = [p for group in base.param_groups for p in group["params"]]
     rms = {id(p): p.detach().float().pow(2).mean().sqrt().item() for p in params}
     median = torch.tensor([rms[id(p)] for p in params if p.ndim >= 2]).median().item()
@@ -200,22 +192,22 @@ def relative_optimizer(model: torch.nn.Module, args: object) -> torch.optim.Adam
     return ScaledAdamW(groups)
 
 
-def load_student(tie: GradualTie | None) -> None:
-    """Make the training loop's loading of the student install `tie` (none: the library's own loading)."""
-    from qkvshare.train import pretrain
+def patch_training(run: str, tie: GradualTie | None) -> None:
+    """Point the training loop's student loading and optimizer at `run`'s: `tie` installed on the student when it
+    is loaded, the `relative` run's optimizer; the library's own for the other runs."""
+    student = QKVShareForCausalLM
+    if tie is not None:
 
-    if tie is None:
-        pretrain.QKVShareForCausalLM = QKVShareForCausalLM
-        return
+        class Blended(QKVShareForCausalLM):
+            @classmethod
+            def from_pretrained(cls, *args, **kwargs):
+                model = QKVShareForCausalLM.from_pretrained(*args, **kwargs)
+                tie.install(model)
+                return model
 
-    class Blended(QKVShareForCausalLM):
-        @classmethod
-        def from_pretrained(cls, *args, **kwargs):
-            model = QKVShareForCausalLM.from_pretrained(*args, **kwargs)
-            tie.install(model)
-            return model
-
-    pretrain.QKVShareForCausalLM = Blended
+        student = Blended
+    pretrain.QKVShareForCausalLM = student
+    pretrain.build_optimizer = relative_optimizer if run == "relative" else library_optimizer
 
 
 def main() -> None:
@@ -245,10 +237,7 @@ def main() -> None:
         StepsWatch.tie = (
             GradualTie(teacher, args.tie_steps, run == "gradual-outputs") if run.startswith("gradual") else None
         )
-        load_student(StepsWatch.tie)
-        from qkvshare.train import pretrain
-
-        pretrain.build_optimizer = relative_optimizer if run == "relative" else pretrain_build_optimizer
+        patch_training(run, StepsWatch.tie)
         stage_c.DivergenceWatch = StepsWatch
         try:
             stage_c.run_distillation(
