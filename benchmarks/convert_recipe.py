@@ -90,6 +90,12 @@ def parse_args() -> argparse.Namespace:
         "--distill_centre_output_projections)",
     )
     p.add_argument(
+        "--relative_learning_rates",
+        action="store_true",
+        help="stage (c)'s learning rate of each parameter scaled by its size (rows '-rel'; convert's "
+        "--distill_relative_learning_rates)",
+    )
+    p.add_argument(
         "--tag",
         default="",
         help="appended to the rows' labels and the stages' work folder: rows made with other settings "
@@ -133,8 +139,9 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX", "-hidW", "-bf16" and "-centred" (stage
-        (c)'s peak, hidden-state loss weight, precision and centred output projections)."""
+        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX", "-hidW", "-bf16", "-centred" and "-rel"
+        (stage (c)'s peak, hidden-state loss weight, precision, centred output projections and relative learning
+        rates)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
@@ -148,6 +155,8 @@ class Maker:
             row += "-bf16"
         if distilled and self.args.centre_output_projections:
             row += "-centred"
+        if distilled and self.args.relative_learning_rates:
+            row += "-rel"
         return row
 
     def done(self, row: str) -> bool:
@@ -180,6 +189,7 @@ class Maker:
             **({"distill_hidden_weight": a.hidden_weight} if a.hidden_weight is not None else {}),
             distill_bf16=a.bf16,
             distill_centre_output_projections=a.centre_output_projections,
+            distill_relative_learning_rates=a.relative_learning_rates,
             overwrite_output_dir=True,
             **extra,
         )

@@ -20,7 +20,8 @@ OUT/RUN-losses.json, so a run already made is not run again. Runs:
 - `gradual-warmup`: `gradual` with the learning rate's warmup as long as the tie's (`--tie_steps`);
 - `gradual-outputs`: the blend on each tied layer's attention output instead: (1 - a) x the source layer's (frozen,
   on the same input) + a x the converted layer's;
-- `relative`: every parameter, each weight's learning rate scaled down by its size (`relative_optimizer`).
+- `relative`: every parameter, each weight's learning rate scaled down by its size (convert's
+  `--distill_relative_learning_rates`).
 The table: each run's loss (KL to the source, nats per token, on that step's training blocks) by step; step 1's is
 the same model on the same blocks for every run.
 """
@@ -48,7 +49,6 @@ from qkvshare.runtime import native_bf16  # noqa: E402
 from qkvshare.train import pretrain  # noqa: E402
 from qkvshare_settings.train import DistillSettings  # noqa: E402
 
-library_optimizer = pretrain.build_optimizer
 RUNS = ("all", "without-o_proj", "centred", "gradual", "gradual-warmup", "gradual-outputs", "relative")
 
 
@@ -154,47 +154,14 @@ def settings_for(run: str, config: QKVShareConfig, base: DistillSettings, tie_st
         return dataclasses.replace(base, warmup_steps=tie_steps)
     if run == "centred":
         return dataclasses.replace(base, centre_output_projections=True)
+    if run == "relative":
+        return dataclasses.replace(base, relative_learning_rates=True)
     return base
 
 
-class ScaledAdamW(torch.optim.AdamW):
-    """AdamW whose groups' learning rates are the loop's times the group's `lr_scale` at each step."""
-
-    def step(self, closure=None):
-        loops = [group["lr"] for group in self.param_groups]
-        for group in self.param_groups:
-            group["lr"] *= group["lr_scale"]
-        try:
-            return super().step(closure)
-        finally:
-            for group, lr in zip(self.param_groups, loops, strict=True):
-                group["lr"] = lr
-
-
-def relative_optimizer(model: torch.nn.Module, args: object) -> torch.optim.AdamW:
-    """The `relative` run's optimizer: the loop's AdamW groups (`library_optimizer`), one group per parameter,
-    its learning rate scaled by the parameter's RMS over the median RMS of the weight matrices, at most 1 and at
-    least 0.1: AdamW's early steps move every weight by about the learning rate whatever its size, so weights smaller
-    than the median take proportionally smaller steps (none takes larger ones)."""
-    base = library_optimizer(model, args)
-    params = [p for group in base.param_groups for p in group["params"]]
-    rms = {id(p): p.detach().float().pow(2).mean().sqrt().item() for p in params}
-    median = torch.tensor([rms[id(p)] for p in params if p.ndim >= 2]).median().item()
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [p],
-            "lr_scale": min(1.0, max(0.1, rms[id(p)] / median)),
-        }
-        for group in base.param_groups
-        for p in group["params"]
-    ]
-    return ScaledAdamW(groups)
-
-
-def patch_training(run: str, tie: GradualTie | None) -> None:
-    """Point the training loop's student loading and optimizer at `run`'s: `tie` installed on the student when it
-    is loaded, the `relative` run's optimizer; the library's own for the other runs."""
+def patch_training(tie: GradualTie | None) -> None:
+    """Point the training loop's student loading at this run's: `tie` installed on the student when it is loaded
+    (the library's own loading without one)."""
     student = QKVShareForCausalLM
     if tie is not None:
 
@@ -207,7 +174,6 @@ def patch_training(run: str, tie: GradualTie | None) -> None:
 
         student = Blended
     pretrain.QKVShareForCausalLM = student
-    pretrain.build_optimizer = relative_optimizer if run == "relative" else library_optimizer
 
 
 def main() -> None:
@@ -237,7 +203,7 @@ def main() -> None:
         StepsWatch.tie = (
             GradualTie(teacher, args.tie_steps, run == "gradual-outputs") if run.startswith("gradual") else None
         )
-        patch_training(run, StepsWatch.tie)
+        patch_training(StepsWatch.tie)
         stage_c.DivergenceWatch = StepsWatch
         try:
             stage_c.run_distillation(

@@ -147,6 +147,7 @@ TRANSFER_DEFAULTS = {
     "distill_bf16": None,  # auto: bf16 mixed precision where the device computes bf16 natively (section 11.3)
     "distill_trainable_modules": ALL_PARAMETERS,
     "distill_centre_output_projections": False,
+    "distill_relative_learning_rates": False,
     "cache_budget": None,
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
 }
@@ -223,6 +224,8 @@ class ConvertArgs:
     )
     # stage (c)'s steps on the biased output projections centred (qkvshare.train.centring)
     distill_centre_output_projections: bool = TRANSFER_DEFAULTS["distill_centre_output_projections"]
+    # stage (c)'s learning rate of each parameter scaled by its size (qkvshare.train.pretrain.relative_lr_scales)
+    distill_relative_learning_rates: bool = TRANSFER_DEFAULTS["distill_relative_learning_rates"]
     cache_budget: float | None = TRANSFER_DEFAULTS["cache_budget"]  # transfer: at most this share of the KV bytes
     budget_choice: str = TRANSFER_DEFAULTS["budget_choice"]  # cache_budget ties the layers of lowest KL (or error)
     seed: int = 0  # order of the calibration text, stage (b)'s batches
@@ -395,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage (c) takes its steps on the attention output projections as if their inputs were centred (the "
         "constant moved into their biases): for sources whose keys carry large biases, e.g. Qwen2 with every layer "
         "tied; needs o_proj biases",
+    )
+    p.add_argument(
+        "--distill_relative_learning_rates",
+        action=argparse.BooleanOptionalAction,
+        default=t["distill_relative_learning_rates"],
+        help="stage (c) scales each parameter's learning rate by its RMS over the median of the weight matrices' "
+        "(between 0.1 and 1), so small weights take proportionally small first steps",
     )
     p.add_argument(
         "--cache_budget",

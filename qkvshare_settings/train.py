@@ -169,6 +169,13 @@ class TrainArguments:
         "constant moved into the bias; the saved weights are the usual ones): for models whose values carry large "
         "constants, e.g. a converted Qwen2 with key and value tied; needs o_proj biases, not under FSDP or DeepSpeed",
     )
+    relative_learning_rates: bool = flag(
+        False,
+        "each parameter's learning rate scaled by its RMS over the median RMS of the weight matrices, at most 1 and "
+        "at least 0.1 (fixed at the start): AdamW's first steps move every weight by about the learning rate "
+        "whatever its size, which changes small weights the most; for fine-tuning a close initialisation, e.g. "
+        "distilling a converted model; not under FSDP or DeepSpeed",
+    )
     bf16: bool = flag(False, "bf16 mixed precision")
     fp16: bool = flag(False, "fp16 mixed precision (with loss scaling)")
     use_cpu: bool = flag(False, "train on CPU even if a GPU is present (gloo for 2+ ranks)")
@@ -223,6 +230,7 @@ class DistillSettings:
     hidden_weight: float = 0.0  # weight of the layer-by-layer hidden-state loss (`--distill_hidden_weight`)
     bf16: bool = False  # bf16 mixed precision (`--bf16`): the weights and optimizer stay float32
     centre_output_projections: bool = False  # `--centre_output_projections` (qkvshare.train.centring)
+    relative_learning_rates: bool = False  # `--relative_learning_rates` (qkvshare.train.pretrain.build_optimizer)
     save_steps: int = 10
     eval_blocks: int = 16  # validation blocks (the run's `eval/kl`)
     seed: int = 0
@@ -282,6 +290,7 @@ def distill_arguments(
         distill_hidden_weight=s.hidden_weight,
         bf16=s.bf16,
         centre_output_projections=s.centre_output_projections,
+        relative_learning_rates=s.relative_learning_rates,
         save_steps=s.save_steps,
         save_total_limit=1,
         eval_steps=s.steps,

@@ -704,6 +704,8 @@ def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_p
         argv = convert_argv(source_dir, corpus, out, "--distill_tokens", "256", "--distill_trainable_modules", *modules)
         assert distill_settings(parse_args(argv[1:])).trainable_modules == (None if modules == ["all"] else modules)
         assert distill_settings(parse_args([*argv[1:], "--distill_hidden_weight", "0.5"])).hidden_weight == 0.5
+        relative = distill_settings(parse_args([*argv[1:], "--distill_relative_learning_rates"]))
+        assert relative.relative_learning_rates and not distill_settings(parse_args(argv[1:])).relative_learning_rates
         assert (
             distill_settings(parse_args([*argv[1:], "--distill_bf16"])).bf16
             and not distill_settings(parse_args(argv[1:])).bf16

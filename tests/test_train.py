@@ -596,3 +596,60 @@ def test_distill_settings_reach_the_training_run(tmp_path):
     assert args.train.per_device_eval_batch_size == 2
     weighted = DistillSettings(tokens=5000, hidden_weight=0.5)
     assert distill_arguments("s", "t", "a", "b", str(tmp_path), weighted).train.distill_hidden_weight == 0.5
+    relative = DistillSettings(tokens=5000, relative_learning_rates=True)
+    assert distill_arguments("s", "t", "a", "b", str(tmp_path), relative).train.relative_learning_rates is True
+    assert args.train.relative_learning_rates is False
+
+
+def test_relative_lr_scales_are_rms_over_the_median_matrix_rms_clamped():
+    from qkvshare.train.pretrain import relative_lr_scales
+
+    params = [torch.full((2, 3), 1.0), torch.full((4, 2), 2.0), torch.full((3, 3), -4.0), torch.full((5,), 0.01)]
+    params.append(torch.full((3,), 0.5))
+    # matrices' RMS 1, 2, 4: median 2; the vectors' 0.01 and 0.5 are scaled by it too
+    assert relative_lr_scales(params) == pytest.approx([0.5, 1.0, 1.0, 0.1, 0.25])
+    with pytest.raises(TrainingSetupError, match="no weight matrix trains"):
+        relative_lr_scales([torch.ones(3)])
+
+
+def test_relative_learning_rates_scale_each_parameters_step_and_are_part_of_a_resumable_run(
+    corpus_file, tmp_path, capsys
+):
+    """--relative_learning_rates: AdamW's update is linear in the learning rate, so each parameter's first step is
+    exactly its scale (`relative_lr_scales` of the starting weights) times the plain run's; a resumed run keeps the
+    per-parameter groups (bit for bit the uninterrupted run) and a resume with the other choice is refused."""
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    assert main(tiny_argv(corpus_file, base, "--max_steps", "2")) == 0
+    start = load_file(base / "model.safetensors")
+    small = sorted(name for name in start if name.endswith("o_proj.weight"))
+    start[small[0]] *= 0.01  # a weight far below the median (clamped to 0.1) and one part way
+    start[small[1]] *= 0.4
+    save_file(start, base / "model.safetensors", metadata={"format": "pt"})
+
+    def run(name: str, steps: int, *extra: str) -> dict[str, torch.Tensor]:
+        argv = tiny_argv(corpus_file, tmp_path / name, "--init_from", str(base), "--max_steps", str(steps), *extra)
+        argv = [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+        assert main(argv) == 0, capsys.readouterr().err
+        return load_file(tmp_path / name / "model.safetensors")
+
+    plain = run("plain", 1)
+    relative = run("relative", 1, "--relative_learning_rates", "true")
+    matrices = [w.float().pow(2).mean().sqrt().item() for w in start.values() if w.ndim >= 2]
+    median = torch.tensor(matrices).median().item()
+    scales = {}
+    for name, w in start.items():
+        scales[name] = min(1.0, max(0.1, w.float().pow(2).mean().sqrt().item() / median))
+        torch.testing.assert_close(relative[name] - w, scales[name] * (plain[name] - w), rtol=1e-3, atol=1e-7)
+    assert scales[small[0]] == 0.1 and 0.2 < scales[small[1]] < 0.6 and max(scales.values()) == 1.0
+
+    whole = run("whole", 3, "--relative_learning_rates", "true")
+    run("parts", 3, "--relative_learning_rates", "true", "--save_steps", "1")
+    second = str(tmp_path / "parts" / "checkpoints" / "checkpoint-2")
+    resumed = run("parts", 3, "--relative_learning_rates", "true", "--resume_from_checkpoint", second)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    argv = tiny_argv(corpus_file, tmp_path / "parts", "--init_from", str(base), "--max_steps", "4")
+    argv = [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+    assert main([*argv, "--resume_from_checkpoint", "latest"]) == 2
+    assert "relative_learning_rates: checkpoint True, now False" in capsys.readouterr().err

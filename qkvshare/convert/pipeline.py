@@ -149,6 +149,7 @@ DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_r
 DISTILL_FLAGS |= {"hidden_weight": "distill_hidden_weight", "bf16": "distill_bf16"}
 DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
 DISTILL_FLAGS |= {"centre_output_projections": "distill_centre_output_projections"}
+DISTILL_FLAGS |= {"relative_learning_rates": "distill_relative_learning_rates"}
 
 
 def with_distill_precision(args: ConvertArgs) -> ConvertArgs:

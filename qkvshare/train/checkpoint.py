@@ -298,24 +298,31 @@ def comparable_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in json.loads(json.dumps(config_dict)).items() if k not in _IGNORED_CONFIG_KEYS}
 
 
+# what a checkpoint of an earlier version that lacks these keys was trained with
+OPTIONAL_STATE = {"relative_learning_rates": False}
+
+
 def check_compatible(state: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """Raise if the checkpoint at `path` was written by a run with another model config or data layout.
 
-    `current` has the same keys as the stored state: `model_config`, `block_size`, `global_batch_blocks`, `seed`.
+    `current` has the same keys as the stored state: `model_config`, `block_size`, `global_batch_blocks`, `seed`,
+    `trainable_modules`, `relative_learning_rates`.
     """
     problems = []
     old, new = comparable_config(state["model_config"]), comparable_config(current["model_config"])
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             problems.append(f"model {key}: checkpoint {old.get(key)!r}, now {new.get(key)!r}")
-    for key in ("block_size", "global_batch_blocks", "seed", "trainable_modules"):
-        if state.get(key) != current.get(key):
-            problems.append(f"{key}: checkpoint {state.get(key)!r}, now {current.get(key)!r}")
+    for key in ("block_size", "global_batch_blocks", "seed", "trainable_modules", "relative_learning_rates"):
+        saved = state.get(key, OPTIONAL_STATE.get(key))  # checkpoints of earlier versions lack the later keys
+        if saved != current.get(key):
+            problems.append(f"{key}: checkpoint {saved!r}, now {current.get(key)!r}")
     if problems:
         raise TrainingSetupError(
             f"checkpoint {path} comes from an incompatible run:\n  " + "\n  ".join(problems) + "\n"
             "Resume with the same --preset/--variant/--config_overrides, --block_size, global batch "
-            "(per-device batch x accumulation x processes) and --seed, or start a new --output_dir."
+            "(per-device batch x accumulation x processes), --seed, --trainable_modules and --relative_learning_rates, "
+            "or start a new --output_dir."
         )
 
 

@@ -159,6 +159,7 @@ class Run:
             "global_batch_blocks": self.global_batch_blocks,
             "seed": self.args.train.seed,
             "trainable_modules": self.args.train.trainable_modules,
+            "relative_learning_rates": self.args.train.relative_learning_rates,
             "data_fingerprint": self.data_fingerprint,
             "model_config": self.config.to_dict(),
             "args": self.args.to_dict(),
@@ -553,6 +554,7 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
                 "global_batch_blocks": global_batch,
                 "seed": t.seed,
                 "trainable_modules": t.trainable_modules,
+                "relative_learning_rates": t.relative_learning_rates,
             }
             check_compatible(saved, current, resume_path)
         val_blocks, train_data, fingerprint = prepare_data(
@@ -566,6 +568,8 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
         if teacher is not None and t.distill_hidden_weight > 0:
             check_hidden_teacher(teacher.config, config, t.distill_hidden_weight)
         fpt = flops_per_token(model, config, block_size)
+        if t.relative_learning_rates:
+            refuse_sharding(accelerator, "--relative_learning_rates", "scales each whole parameter's learning rate")
         optimizer = build_optimizer(model, args)
         model, optimizer = accelerator.prepare(model, optimizer)
         if teacher is not None:  # not prepared: it takes no gradients, so DDP/FSDP have nothing to synchronise
@@ -609,13 +613,7 @@ def centre_output_projections(accelerator: Any, args: Arguments, model: Any, val
     """--centre_output_projections: the centring (`centring.CentredOutputProjections`) of the model's biased output
     projections on their mean inputs, measured on the first validation blocks (the same on every rank) before the
     first step, or read back from the output folder where the run saved them (a resumed run)."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise TrainingSetupError(
-            f"--centre_output_projections updates each o_proj's whole weight and bias together, which "
-            f"{accelerator.distributed_type.value} shards across processes: train with DDP or one process, or drop the flag."
-        )
+    refuse_sharding(accelerator, "--centre_output_projections", "updates each o_proj's whole weight and bias together")
     unwrapped = accelerator.unwrap_model(model)
     if not output_projections(unwrapped):
         raise TrainingSetupError(
@@ -632,6 +630,18 @@ def centre_output_projections(accelerator: Any, args: Arguments, model: Any, val
         unwrapped.train(was_training)
 
     return centring(unwrapped, Path(args.train.output_dir), forward, accelerator.is_main_process)
+
+
+def refuse_sharding(accelerator: Any, flag: str, what: str) -> None:
+    """A `TrainingSetupError` when the run shards its parameters across processes (FSDP, DeepSpeed), which `flag`
+    cannot work with: it `what` (e.g. "scales each whole parameter's learning rate")."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise TrainingSetupError(
+            f"{flag} {what}, which {accelerator.distributed_type.value} shards across processes: train with DDP or "
+            "one process, or drop the flag."
+        )
 
 
 def check_hidden_teacher(teacher: Any, student: QKVShareConfig, weight: float) -> None:
@@ -677,7 +687,9 @@ def load_teacher(path: str, config: QKVShareConfig, tokenizer: Any) -> Any:
 
 
 def build_optimizer(model: torch.nn.Module, args: Arguments) -> torch.optim.AdamW:
-    """AdamW with weight decay on weight matrices only: not on norms, biases or embeddings (unless asked)."""
+    """AdamW with weight decay on weight matrices only: not on norms, biases or embeddings (unless asked). With
+    --relative_learning_rates, one group per parameter, each with its `lr_scale` (`relative_lr_scales`), which the
+    loop multiplies into the schedule's learning rate at every step (`train_step`)."""
     t = args.train
     embeddings = {id(mod.weight) for mod in model.modules() if isinstance(mod, torch.nn.Embedding)}
     decay, no_decay = [], []
@@ -685,7 +697,36 @@ def build_optimizer(model: torch.nn.Module, args: Arguments) -> torch.optim.Adam
         matrix = p.ndim >= 2 and id(p) not in embeddings
         (decay if matrix or t.decay_norms_biases_embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if t.relative_learning_rates:
+        scales = iter(relative_lr_scales(decay + no_decay))
+        groups = [
+            {"params": [p], "weight_decay": group["weight_decay"], "lr_scale": next(scales)}
+            for group in groups
+            for p in group["params"]
+        ]
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+# --relative_learning_rates' bounds on a parameter's scale
+RELATIVE_LR_BOUNDS = (0.1, 1.0)
+
+
+def relative_lr_scales(params: Sequence[torch.Tensor]) -> list[float]:
+    """--relative_learning_rates: each parameter's RMS over the median RMS of the weight matrices (2+ dimensions)
+    among `params`, clamped to `RELATIVE_LR_BOUNDS`. AdamW's first steps move every element by about the learning
+    rate whatever its size, so a weight smaller than the median takes a proportionally smaller step (down to a tenth)
+    and none a larger one: a close initialisation (a converted model) keeps its small weights, e.g. the output
+    projections of Qwen2.5-Coder's attention, which diverged at the learning rate of the rest."""
+    rms = [p.detach().float().pow(2).mean().sqrt().item() for p in params]
+    matrices = [r for p, r in zip(params, rms, strict=True) if p.ndim >= 2]
+    if not matrices:
+        raise TrainingSetupError(
+            "--relative_learning_rates scales learning rates by the trained weight matrices' RMS, but no weight "
+            "matrix trains (--trainable_modules): train one, or drop the flag."
+        )
+    median = torch.tensor(matrices).median().item()
+    low, high = RELATIVE_LR_BOUNDS
+    return [min(high, max(low, r / median)) if median > 0 else high for r in rms]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -739,6 +780,12 @@ def train_loss(run: Run, blocks: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's learning rate of the current step (without --relative_learning_rates' scales)."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
+
+
 def train_step(run: Run, step: int) -> tuple[float, float]:
     """One optimizer step (all micro-steps). Returns (mean loss over ranks, grad norm); raises on a non-finite loss."""
     acc, t = run.accelerator, run.args.train
@@ -746,7 +793,7 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
         step, peak_lr=t.learning_rate, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio
     )
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # --relative_learning_rates' per-parameter scale
     run.model.train()
     loss_sum = torch.zeros((), device=acc.device)
     accumulation = t.gradient_accumulation_steps
@@ -898,7 +945,7 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
                 metrics = {
                     "train/loss": sum(window_losses) / len(window_losses),
                     "train/grad_norm": grad_norm,
-                    "train/lr": run.optimizer.param_groups[0]["lr"],
+                    "train/lr": learning_rate(run.optimizer),
                     "train/tokens_per_second": tokens_per_s,
                     "train/tokens_seen": run.tokens_seen,
                 }
