@@ -104,6 +104,11 @@ def tiny_argv(corpus: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
+def without_preset(argv: list[str]) -> list[str]:
+    """`argv` less its --preset (a run that starts from --init_from takes the model from there)."""
+    return [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+
+
 def run_losses(argv: list[str]) -> tuple[int, list[float]]:
     losses: list[float] = []
     rc = main(argv, on_step=lambda step, loss, model: losses.append(loss))
@@ -563,7 +568,7 @@ def test_trainable_modules_train_only_those_and_are_part_of_a_resumable_run(corp
     assert main(tiny_argv(corpus_file, base, "--max_steps", "2")) == 0
     out = tmp_path / "attention-only"
     argv = tiny_argv(corpus_file, out, "--init_from", str(base), "--max_steps", "2", "--save_steps", "1")
-    argv = [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+    argv = without_preset(argv)
     assert main([*argv, "--trainable_modules", "self_attn"]) == 0
     before, after = load_file(base / "model.safetensors"), load_file(out / "model.safetensors")
     changed = sorted(name for name in before if not torch.equal(before[name], after[name]))
@@ -630,7 +635,7 @@ def test_relative_learning_rates_scale_each_parameters_step_and_are_part_of_a_re
 
     def run(name: str, steps: int, *extra: str) -> dict[str, torch.Tensor]:
         argv = tiny_argv(corpus_file, tmp_path / name, "--init_from", str(base), "--max_steps", str(steps), *extra)
-        argv = [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+        argv = without_preset(argv)
         assert main(argv) == 0, capsys.readouterr().err
         return load_file(tmp_path / name / "model.safetensors")
 
@@ -650,6 +655,6 @@ def test_relative_learning_rates_scale_each_parameters_step_and_are_part_of_a_re
     resumed = run("parts", 3, "--relative_learning_rates", "true", "--resume_from_checkpoint", second)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     argv = tiny_argv(corpus_file, tmp_path / "parts", "--init_from", str(base), "--max_steps", "4")
-    argv = [a for i, a in enumerate(argv) if a != "--preset" and argv[i - 1] != "--preset"]
+    argv = without_preset(argv)
     assert main([*argv, "--resume_from_checkpoint", "latest"]) == 2
     assert "relative_learning_rates: checkpoint True, now False" in capsys.readouterr().err
