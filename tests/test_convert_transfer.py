@@ -693,6 +693,20 @@ def test_stage_c_precision_follows_the_device(source_dir, corpus, tmp_path, monk
     assert pipeline.with_distill_precision(parse_args(argv)).distill_bf16 is False
 
 
+def test_convert_refuses_relative_rates_without_a_trained_weight_matrix_before_any_work(
+    source_dir, corpus, tmp_path, capsys
+):
+    """--distill_relative_learning_rates scales by the trained weight matrices' RMS: with only norms trained there is
+    none, which used to surface only at stage (c), after stages (a)-(b); now refused before anything is written."""
+    import qkvshare_cli
+
+    argv = convert_argv(source_dir, corpus, tmp_path / "out", "--distill_tokens", "256", "--distill_trainable_modules")
+    assert qkvshare_cli.main([*argv, "norm", "--distill_relative_learning_rates"]) == 2
+    err = capsys.readouterr().err
+    assert "--distill_trainable_modules norm trains no weight matrix" in err and "drop the flag" in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.qkvshare-convert").exists()
+
+
 def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_path):
     import qkvshare_cli
     from qkvshare_settings.convert import parse_args

@@ -658,3 +658,27 @@ def test_relative_learning_rates_scale_each_parameters_step_and_are_part_of_a_re
     argv = without_preset(argv)
     assert main([*argv, "--resume_from_checkpoint", "latest"]) == 2
     assert "relative_learning_rates: checkpoint True, now False" in capsys.readouterr().err
+
+
+def test_relative_learning_rates_under_fsdp_are_refused_before_the_output_folder_is_claimed(
+    corpus_file, tmp_path, capsys, monkeypatch
+):
+    """FSDP and DeepSpeed shard each parameter across processes, so its RMS (the scale) is not one process's to
+    measure: refused, naming the flag and what to do, before data, model or output folder."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from qkvshare.train import pretrain
+
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        monkeypatch.setattr(
+            pretrain, "make_accelerator", lambda args, kind=kind: SimpleNamespace(distributed_type=kind)
+        )
+        out = tmp_path / kind.value
+        assert main([*tiny_argv(corpus_file, out), "--relative_learning_rates", "true"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--relative_learning_rates scales each whole parameter's learning rate, which {kind.value} shards" in err
+        )
+        assert "train with DDP or one process, or drop the flag" in err and not out.exists()

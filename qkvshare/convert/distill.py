@@ -127,6 +127,20 @@ def check_centring(config: Any, settings: DistillSettings) -> None:
         )
 
 
+def check_relative_rates(config: Any, settings: DistillSettings) -> None:
+    """A `ValueError` before any work when `settings.relative_learning_rates` has no trained weight matrix of
+    `config`'s model to measure its scales against (`qkvshare.train.pretrain.relative_lr_scales`)."""
+    if not settings.relative_learning_rates:
+        return
+    parameters = _parameters(config)
+    if not any(parameters[name].ndim >= 2 for name in trained_names(list(parameters), settings.trainable_modules)):
+        raise ValueError(
+            "--distill_relative_learning_rates scales each learning rate by the trained weight matrices' RMS, but "
+            f"--distill_trainable_modules {' '.join(settings.trainable_modules or [])} trains no weight matrix: "
+            "let it include one (e.g. self_attn), or drop the flag."
+        )
+
+
 def check_distill_memory(config: Any, settings: DistillSettings) -> None:
     """A `ValueError` before any work when stage (c) would not fit in memory even one block at a time."""
     free = available_bytes()

@@ -24,6 +24,7 @@ from qkvshare.convert.distill import (
     besides_output_projections,
     check_centring,
     check_distill_memory,
+    check_relative_rates,
     check_trainable_modules,
     run_distillation,
     trains_output_projections,
@@ -73,6 +74,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
             settings = distill_settings(args)
             check_trainable_modules(config, settings)
             check_centring(config, settings)
+            check_relative_rates(config, settings)
             check_distill_memory(config, settings)
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None

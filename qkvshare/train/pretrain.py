@@ -531,6 +531,8 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
     check_flash_attention(args.model.attn_implementation)
     config, overrides, block_size = build_model_config(args)  # a bad variant or override: nothing written yet
     accelerator = make_accelerator(args)
+    if args.train.relative_learning_rates:  # before the output folder is claimed
+        refuse_sharding(accelerator, "--relative_learning_rates", "scales each whole parameter's learning rate")
     lock, resume_path, saved = claim_output_dir(accelerator, args)
     try:
         m, d, t = args.model, args.data, args.train
@@ -568,8 +570,6 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
         if teacher is not None and t.distill_hidden_weight > 0:
             check_hidden_teacher(teacher.config, config, t.distill_hidden_weight)
         fpt = flops_per_token(model, config, block_size)
-        if t.relative_learning_rates:
-            refuse_sharding(accelerator, "--relative_learning_rates", "scales each whole parameter's learning rate")
         optimizer = build_optimizer(model, args)
         model, optimizer = accelerator.prepare(model, optimizer)
         if teacher is not None:  # not prepared: it takes no gradients, so DDP/FSDP have nothing to synchronise
@@ -780,18 +780,17 @@ def train_loss(run: Run, blocks: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def learning_rate(optimizer: torch.optim.Optimizer) -> float:
-    """The schedule's learning rate of the current step (without --relative_learning_rates' scales)."""
-    group = optimizer.param_groups[0]
-    return group["lr"] / group.get("lr_scale", 1.0)
+def scheduled_lr(t: Any, step: int) -> float:
+    """The schedule's learning rate at `step` of the run with training arguments `t` (before any group's scale)."""
+    return get_lr(
+        step, peak_lr=t.learning_rate, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio
+    )
 
 
 def train_step(run: Run, step: int) -> tuple[float, float]:
     """One optimizer step (all micro-steps). Returns (mean loss over ranks, grad norm); raises on a non-finite loss."""
     acc, t = run.accelerator, run.args.train
-    lr = get_lr(
-        step, peak_lr=t.learning_rate, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio
-    )
+    lr = scheduled_lr(t, step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # --relative_learning_rates' per-parameter scale
     run.model.train()
@@ -945,7 +944,7 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
                 metrics = {
                     "train/loss": sum(window_losses) / len(window_losses),
                     "train/grad_norm": grad_norm,
-                    "train/lr": learning_rate(run.optimizer),
+                    "train/lr": scheduled_lr(t, step),
                     "train/tokens_per_second": tokens_per_s,
                     "train/tokens_seen": run.tokens_seen,
                 }
