@@ -893,12 +893,13 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, model_dir,
     hasty = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=2, max_retries=0)
     with pytest.raises((openai.BadRequestError, openai.APITimeoutError)):
         chat(hasty, model_dir, TEXTS[1], max_tokens=1_000_000_000)
-    # Two requests in flight: the second waits for the first (one generate() at a time, or the page pool that holds
-    # one of them), so the server still has work when uvicorn acts on the signal (its shutdown starts up to 0.2 s
-    # after it, longer than the tiny model's ~0.17 s for the rest of one answer).
+    # Eight requests in flight: they wait for each other (one generate() at a time, or the page pool that holds one
+    # or two of them), so the server still has about a second of work when uvicorn acts on the signal. Its shutdown
+    # looks for open connections 0.1-0.2 s after the signal; the tiny model answers one request in ~0.12 s here, so
+    # two requests (as before) could all be done by then on a faster machine, and the log line below missed.
     streams = [
         chat(client, model_dir, TEXTS[0], max_tokens=new_tokens, stream=True, stream_options={"include_usage": True})
-        for _ in range(2)
+        for _ in range(8)
     ]
     received = []
     for stream in streams:
