@@ -1173,9 +1173,10 @@ def test_stage_c_with_centred_output_projections_resumes_to_the_same_model(corpu
 
     from accelerate.utils import DistributedType
 
+    flags = SimpleNamespace(centre_output_projections=True, relative_learning_rates=False)
     for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         with pytest.raises(TrainingSetupError, match=f"which {kind.value} shards across processes: train with DDP"):
-            pretrain.centre_output_projections(SimpleNamespace(distributed_type=kind), None, None, None)
+            pretrain.refuse_sharding(SimpleNamespace(distributed_type=kind), flags)
 
 
 def test_convert_centres_the_output_projections_of_a_biased_source_and_refuses_an_unbiased_one(

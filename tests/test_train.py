@@ -660,11 +660,12 @@ def test_relative_learning_rates_scale_each_parameters_step_and_are_part_of_a_re
     assert "relative_learning_rates: checkpoint True, now False" in capsys.readouterr().err
 
 
-def test_relative_learning_rates_under_fsdp_are_refused_before_the_output_folder_is_claimed(
+def test_whole_parameter_flags_under_fsdp_are_refused_before_the_output_folder_is_claimed(
     corpus_file, tmp_path, capsys, monkeypatch
 ):
-    """FSDP and DeepSpeed shard each parameter across processes, so its RMS (the scale) is not one process's to
-    measure: refused, naming the flag and what to do, before data, model or output folder."""
+    """FSDP and DeepSpeed shard each parameter across processes, so its RMS (the relative scale) is not one
+    process's to measure, nor an o_proj's whole weight and bias one process's to centre: both flags refused, naming
+    the flag and what to do, before data, model or output folder."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -682,3 +683,10 @@ def test_relative_learning_rates_under_fsdp_are_refused_before_the_output_folder
             f"--relative_learning_rates scales each whole parameter's learning rate, which {kind.value} shards" in err
         )
         assert "train with DDP or one process, or drop the flag" in err and not out.exists()
+        assert main([*tiny_argv(corpus_file, out), "--centre_output_projections", "true"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--centre_output_projections updates each o_proj's whole weight and bias together, which {kind.value}"
+            in err
+        )
+        assert not out.exists()

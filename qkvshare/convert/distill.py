@@ -21,7 +21,7 @@ import torch
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
 from qkvshare.runtime import MEMORY_SHARE, available_bytes, write_whole
 from qkvshare.train.distill import distill
-from qkvshare.train.pretrain import no_match, trained_names
+from qkvshare.train.pretrain import is_weight_matrix, no_match, trained_names
 from qkvshare_settings.train import DistillSettings
 
 LOGIT_COPIES = 6  # block x vocab tensors alive at the loss: both logits, both log-softmaxes, the KL's terms, a gradient
@@ -133,7 +133,9 @@ def check_relative_rates(config: Any, settings: DistillSettings) -> None:
     if not settings.relative_learning_rates:
         return
     parameters = _parameters(config)
-    if not any(parameters[name].ndim >= 2 for name in trained_names(list(parameters), settings.trainable_modules)):
+    if not any(
+        is_weight_matrix(parameters[name]) for name in trained_names(list(parameters), settings.trainable_modules)
+    ):
         raise ValueError(
             "--distill_relative_learning_rates scales each learning rate by the trained weight matrices' RMS, but "
             f"--distill_trainable_modules {' '.join(settings.trainable_modules or [])} trains no weight matrix: "

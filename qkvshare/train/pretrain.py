@@ -531,8 +531,7 @@ def setup(args: Arguments, teacher_model: Any = None) -> Run:
     check_flash_attention(args.model.attn_implementation)
     config, overrides, block_size = build_model_config(args)  # a bad variant or override: nothing written yet
     accelerator = make_accelerator(args)
-    if args.train.relative_learning_rates:  # before the output folder is claimed
-        refuse_sharding(accelerator, "--relative_learning_rates", "scales each whole parameter's learning rate")
+    refuse_sharding(accelerator, args.train)  # before the output folder is claimed
     lock, resume_path, saved = claim_output_dir(accelerator, args)
     try:
         m, d, t = args.model, args.data, args.train
@@ -613,7 +612,6 @@ def centre_output_projections(accelerator: Any, args: Arguments, model: Any, val
     """--centre_output_projections: the centring (`centring.CentredOutputProjections`) of the model's biased output
     projections on their mean inputs, measured on the first validation blocks (the same on every rank) before the
     first step, or read back from the output folder where the run saved them (a resumed run)."""
-    refuse_sharding(accelerator, "--centre_output_projections", "updates each o_proj's whole weight and bias together")
     unwrapped = accelerator.unwrap_model(model)
     if not output_projections(unwrapped):
         raise TrainingSetupError(
@@ -632,16 +630,27 @@ def centre_output_projections(accelerator: Any, args: Arguments, model: Any, val
     return centring(unwrapped, Path(args.train.output_dir), forward, accelerator.is_main_process)
 
 
-def refuse_sharding(accelerator: Any, flag: str, what: str) -> None:
-    """A `TrainingSetupError` when the run shards its parameters across processes (FSDP, DeepSpeed), which `flag`
-    cannot work with: it `what` (e.g. "scales each whole parameter's learning rate")."""
+# The training flags that work on whole parameters, which FSDP and DeepSpeed shard across processes: flag -> what
+# it does with them (the error's words).
+WHOLE_PARAMETER_FLAGS = {
+    "centre_output_projections": "updates each o_proj's whole weight and bias together",
+    "relative_learning_rates": "scales each whole parameter's learning rate",
+}
+
+
+def refuse_sharding(accelerator: Any, t: Any) -> None:
+    """A `TrainingSetupError` when the run shards its parameters across processes (FSDP, DeepSpeed) and training
+    arguments `t` ask for a flag of `WHOLE_PARAMETER_FLAGS`."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise TrainingSetupError(
-            f"{flag} {what}, which {accelerator.distributed_type.value} shards across processes: train with DDP or "
-            "one process, or drop the flag."
-        )
+    if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return
+    for flag, what in WHOLE_PARAMETER_FLAGS.items():
+        if getattr(t, flag):
+            raise TrainingSetupError(
+                f"--{flag} {what}, which {accelerator.distributed_type.value} shards across processes: train with "
+                "DDP or one process, or drop the flag."
+            )
 
 
 def check_hidden_teacher(teacher: Any, student: QKVShareConfig, weight: float) -> None:
@@ -711,6 +720,12 @@ def build_optimizer(model: torch.nn.Module, args: Arguments) -> torch.optim.Adam
 RELATIVE_LR_BOUNDS = (0.1, 1.0)
 
 
+def is_weight_matrix(param: torch.Tensor) -> bool:
+    """Whether `param` is one of the weight matrices (2+ dimensions) whose median RMS `relative_lr_scales` measures
+    every scale against."""
+    return param.ndim >= 2
+
+
 def relative_lr_scales(params: Sequence[torch.Tensor]) -> list[float]:
     """--relative_learning_rates: each parameter's RMS over the median RMS of the weight matrices (2+ dimensions)
     among `params`, clamped to `RELATIVE_LR_BOUNDS`. AdamW's first steps move every element by about the learning
@@ -718,7 +733,7 @@ def relative_lr_scales(params: Sequence[torch.Tensor]) -> list[float]:
     and none a larger one: a close initialisation (a converted model) keeps its small weights, e.g. the output
     projections of Qwen2.5-Coder's attention, which diverged at the learning rate of the rest."""
     rms = [p.detach().float().pow(2).mean().sqrt().item() for p in params]
-    matrices = [r for p, r in zip(params, rms, strict=True) if p.ndim >= 2]
+    matrices = [r for p, r in zip(params, rms, strict=True) if is_weight_matrix(p)]
     if not matrices:
         raise TrainingSetupError(
             "--relative_learning_rates scales learning rates by the trained weight matrices' RMS, but no weight "
