@@ -131,6 +131,11 @@ DEFAULT_RIDGE = 1e-4
 DEFAULT_TRANSFER_RIDGE = 1e-2
 # --distill_trainable_modules' word for "every parameter" (the training run's trainable_modules=None)
 ALL_PARAMETERS = ["all"]
+# --distill_trainable_modules' word for the recipe's choice, its default: every parameter when every layer is tied,
+# the attention only (`BUDGET_TRAINABLE_MODULES`) when --cache_budget leaves layers as the source has them
+# (docs/results.md section 11.3: at budget 0.75 as good on SmolLM2-135M and better on Qwen2.5-Coder-0.5B, and faster)
+AUTO_MODULES = ["auto"]
+BUDGET_TRAINABLE_MODULES = ["self_attn"]
 # the transfer method's flags and their defaults (set to anything else, they need --method transfer)
 TRANSFER_DEFAULTS = {
     "validation_tokens": 4096,
@@ -145,7 +150,7 @@ TRANSFER_DEFAULTS = {
     "distill_lm_weight": 0.0,
     "distill_hidden_weight": 0.0,
     "distill_bf16": None,  # auto: bf16 mixed precision where the device computes bf16 natively (section 11.3)
-    "distill_trainable_modules": ALL_PARAMETERS,
+    "distill_trainable_modules": AUTO_MODULES,
     "distill_centre_output_projections": False,
     "distill_relative_learning_rates": False,
     "cache_budget": None,
@@ -389,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(t["distill_trainable_modules"]),
         metavar="PATTERN",
         help="stage (c) trains only the parameters whose names contain one of these (e.g. self_attn: the attention "
-        "projections; all: every parameter)",
+        "projections; all: every parameter; auto, the default: every parameter when every layer is tied, self_attn "
+        "when --cache_budget leaves layers untied)",
     )
     p.add_argument(
         "--distill_centre_output_projections",
@@ -511,10 +517,12 @@ def check_transfer_args(args: ConvertArgs) -> None:
             "given; add --cache_budget F (e.g. 0.75) or drop --budget_choice."
         )
     patterns = args.distill_trainable_modules
-    if not patterns or (ALL_PARAMETERS[0] in patterns and len(patterns) > 1) or not all(patterns):
+    words = (ALL_PARAMETERS[0], AUTO_MODULES[0])
+    if not patterns or (any(w in patterns for w in words) and len(patterns) > 1) or not all(patterns):
         raise ValueError(
-            f"--distill_trainable_modules {' '.join(patterns) or '(nothing)'}: give name patterns (e.g. self_attn) "
-            "or the single word all (every parameter)."
+            f"--distill_trainable_modules {' '.join(patterns) or '(nothing)'}: give name patterns (e.g. self_attn), "
+            "or the single word all (every parameter) or auto (the default: every parameter when every layer is "
+            "tied, self_attn when --cache_budget leaves layers untied)."
         )
     if not 0 <= args.distill_lm_weight < 1:
         raise ValueError(f"--distill_lm_weight {args.distill_lm_weight} must be in [0, 1): (1 - w) x KL + w x LM loss.")

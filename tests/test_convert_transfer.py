@@ -513,6 +513,12 @@ def test_cli_transfer_with_a_cache_budget_and_distillation(source_dir, corpus, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the work folder is gone
     assert distilled["bf16"] is False
     assert "stage (c) in float32: no bf16 on the test machine (--distill_bf16 forces bf16)." in printed
+    # the default (auto) trains the attention only where the budget keeps a layer as the source has it
+    assert distilled["trainable_modules"] == ["self_attn"] and "first_run" not in distilled
+    assert "stage (c) trains the attention only (self_attn): the cache budget keeps some layers" in printed
+    model_state, source = model.state_dict(), LlamaForCausalLM.from_pretrained(source_dir).state_dict()
+    changed = {k for k in source if k in model_state and not torch.equal(source[k], model_state[k])}
+    assert changed and all(".self_attn." in k for k in changed), changed  # the MLPs, norms, embeddings the source's
 
 
 def test_ctrl_c_in_stage_c_exits_130_and_the_same_command_continues(source_dir, corpus, tmp_path, monkeypatch, capsys):
@@ -729,8 +735,19 @@ def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_p
         changed[modules[0]] = {k for k in converted if k in source and not torch.equal(source[k], converted[k])}
     with pytest.raises(ValueError, match=r"--distill_tokens 0, --distill_bf16 set\(s\) a stage of --method transfer"):
         parse_args([*convert_argv(source_dir, corpus, tmp_path / "x", "--distill_bf16")[1:], "--method", "key"])
-    with pytest.raises(ValueError, match="--distill_trainable_modules all mlp: give name patterns"):
-        parse_args(convert_argv(source_dir, corpus, tmp_path / "x", "--distill_trainable_modules", "all", "mlp")[1:])
+    for word in ("all", "auto"):
+        with pytest.raises(ValueError, match=f"--distill_trainable_modules {word} mlp: give name patterns"):
+            parse_args(convert_argv(source_dir, corpus, tmp_path / "x", "--distill_trainable_modules", word, "mlp")[1:])
+    # the default, auto: every parameter with every layer tied, the attention only where a budget leaves layers untied
+    default = parse_args(convert_argv(source_dir, corpus, tmp_path / "x", "--distill_tokens", "256")[1:])
+    assert default.distill_trainable_modules == ["auto"]
+    assert distill_settings(default).trainable_modules is None
+    assert distill_settings(default, leaves_layers_untied=True).trainable_modules == ["self_attn"]
+    every = [
+        *convert_argv(source_dir, corpus, tmp_path / "x", "--distill_tokens", "256")[1:],
+        "--distill_trainable_modules",
+    ]
+    assert distill_settings(parse_args([*every, "all"]), leaves_layers_untied=True).trainable_modules is None
     # stages (a) and (b) change attention only; stage (c) on self_attn leaves the rest exactly the source's
     assert changed["self_attn"] and all(".self_attn." in k for k in changed["self_attn"]), changed["self_attn"]
     assert any(".mlp." in k for k in changed["all"]) and "model.embed_tokens.weight" in changed["all"]

@@ -17,7 +17,7 @@ import torch
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM, model_dir
 from qkvshare.convert import io as files
-from qkvshare.convert.budget import check_cache_budget
+from qkvshare.convert.budget import check_cache_budget, every_layer_needed
 from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import (
@@ -30,11 +30,23 @@ from qkvshare.convert.distill import (
     trains_output_projections,
 )
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
-from qkvshare.convert.transfer import TransferSettings, check_activation_memory, measure_layer_errors
+from qkvshare.convert.transfer import (
+    TransferSettings,
+    changed_layers,
+    check_activation_memory,
+    measure_layer_errors,
+)
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
 from qkvshare.runtime import check_free_space, native_bf16, torch_dtype
 from qkvshare_settings.conventions import CommandStopped
-from qkvshare_settings.convert import ALL_PARAMETERS, RECORD_FILE, TRANSFER_DEFAULTS, ConvertArgs
+from qkvshare_settings.convert import (
+    ALL_PARAMETERS,
+    AUTO_MODULES,
+    BUDGET_TRAINABLE_MODULES,
+    RECORD_FILE,
+    TRANSFER_DEFAULTS,
+    ConvertArgs,
+)
 from qkvshare_settings.train import DistillSettings
 
 
@@ -71,7 +83,10 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
         if args.distill_tokens > 0:
-            settings = distill_settings(args)
+            # before the budget's choice: untied layers unless the budget needs every converted layer tied
+            layers = changed_layers(config, source_kv)
+            untied = args.cache_budget is not None and every_layer_needed(config, layers, args.cache_budget) is None
+            settings = distill_settings(args, leaves_layers_untied=untied)
             check_trainable_modules(config, settings)
             check_centring(config, settings)
             check_relative_rates(config, settings)
@@ -183,13 +198,28 @@ def transfer_settings(args: ConvertArgs) -> TransferSettings:
     return TransferSettings(**{field: getattr(args, flag) for field, flag in TRANSFER_FLAGS.items()})
 
 
-def distill_settings(args: ConvertArgs) -> DistillSettings:
-    """Stage (c) from the command's flags (its precision decided by `with_distill_precision`)."""
+def distill_settings(args: ConvertArgs, leaves_layers_untied: bool = False) -> DistillSettings:
+    """Stage (c) from the command's flags (its precision decided by `with_distill_precision`; what it trains by
+    `trainable_modules`)."""
     args = with_distill_precision(args)
-    patterns = args.distill_trainable_modules
-    trainable = None if patterns == ALL_PARAMETERS else list(patterns)
     fields = {field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()}
-    return DistillSettings(**fields, trainable_modules=trainable)
+    return DistillSettings(**fields, trainable_modules=trainable_modules(args, leaves_layers_untied))
+
+
+def trainable_modules(args: ConvertArgs, leaves_layers_untied: bool) -> list[str] | None:
+    """What stage (c) trains (None: every parameter): `--distill_trainable_modules` as given, where `auto` (the
+    default) is every parameter when every layer is tied and the attention only (`BUDGET_TRAINABLE_MODULES`) when a
+    --cache_budget leaves layers as the source has them: there, training the rest of the network too was no better on
+    SmolLM2-135M and worse on Qwen2.5-Coder-0.5B (docs/results.md section 11.3), and slower."""
+    patterns = args.distill_trainable_modules
+    if patterns == AUTO_MODULES:
+        return list(BUDGET_TRAINABLE_MODULES) if leaves_layers_untied else None
+    return None if patterns == ALL_PARAMETERS else list(patterns)
+
+
+def leaves_layers_untied(record: ConversionRecord) -> bool:
+    """Whether the conversion's --cache_budget choice kept some layer as the source has it."""
+    return record.cache_budget is not None and "none" in record.cache_budget["layer_projection_sharing"]
 
 
 def conversion_plan(args: ConvertArgs) -> dict[str, Any]:
@@ -253,16 +283,23 @@ def distil(
     """Stage (c): distil the model of stages (a)-(b) saved in `stage_model` from the source (in memory, its teacher)
     on the calibration text's train split (`qkvshare.train.distill`) in the work folder, and record its errors, KL
     divergence, tokens and time. Returns the distilled model. A run that diverges (`distill.DivergenceWatch`) is
-    stopped; with the default `--distill_trainable_modules all`, stage (c) then trains again from the same model with
-    the attention's output projections frozen (`WITHOUT_O_PROJ_RUN`, recorded as `first_run`); when that diverges too,
+    stopped; when it trained every parameter (`--distill_trainable_modules all`, or `auto` with every layer tied),
+    stage (c) then trains again from the same model with the attention's output projections frozen (`WITHOUT_O_PROJ_RUN`, recorded as `first_run`); when that diverges too,
     or the user's own modules did, the model of stages (a)-(b) is returned (`kept_after_divergence`)."""
     started = time.perf_counter()
-    settings = distill_settings(args)
+    settings = distill_settings(args, leaves_layers_untied(record))
+    if args.distill_trainable_modules == AUTO_MODULES and settings.trainable_modules is not None:
+        print(
+            f"qkvshare convert: stage (c) trains the attention only ({' '.join(settings.trainable_modules)}): the "
+            "cache budget keeps some layers as the source has them (--distill_trainable_modules all trains every "
+            "parameter).",
+            flush=True,
+        )
     folder, metrics = _distillation_run(stage_model, args, text, tokenizer, work, settings, source, "distill")
     first_run = None
     config = QKVShareConfig.from_pretrained(stage_model)
-    if "diverged" in metrics and args.distill_trainable_modules == ALL_PARAMETERS:
-        # the default trains everything: train again without the output projections (which diverged on
+    if "diverged" in metrics and settings.trainable_modules is None:
+        # every parameter trained: train again without the output projections (which diverged on
         # Qwen2.5-Coder-0.5B with every layer tied; the rest converged, docs/results.md section 11.3)
         first_run = {"trainable_modules": settings.trainable_modules, "diverged": metrics["diverged"]}
         # (nothing left to centre: the output projections are frozen)
