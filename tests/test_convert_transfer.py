@@ -953,11 +953,13 @@ def test_a_budget_that_needs_every_layer_measures_none(tmp_path):
     """When no converted layer can stay untied, there is nothing to rank: no layer's KL is measured and the
     record says why every layer is tied."""
     from qkvshare import QKVShareConfig
-    from qkvshare.convert.budget import every_layer_needed
+    from qkvshare.convert.budget import every_layer_needed, keeps_untied_layers
 
     config = QKVShareConfig.from_llama(llama(2, layers=6).config, "Q-K=V")
     assert every_layer_needed(config, list(range(6)), 0.5).tied_layers == list(range(6))
     assert every_layer_needed(config, list(range(6)), 0.55).tied_layers == list(range(6))  # 7 of 12 > 0.55
+    # what stage (c)'s `auto` modules are checked with before the choice: untied layers only where one fits
+    assert [keeps_untied_layers(config, list(range(6)), b) for b in (None, 0.5, 0.55, 0.6)] == [False] * 3 + [True]
     assert every_layer_needed(config, list(range(6)), 0.6) is None  # one layer may stay untied: a choice
     source = llama(layers=3).eval()
     settings = replace(SETTINGS, steps=6)

@@ -24,6 +24,7 @@ from qkvshare.convert.budget import (
     check_cache_budget,
     choose_tied_layers,
     every_layer_needed,
+    keeps_untied_layers,
     tie_layers,
 )
 from qkvshare.convert.calibration import (
@@ -83,6 +84,7 @@ __all__ = [
     "check_cache_budget",
     "choose_tied_layers",
     "every_layer_needed",
+    "keeps_untied_layers",
     "budget_model",
     "mixed_model",
     "layer_kl_scores",

@@ -95,6 +95,12 @@ def every_layer_needed(config: Any, layers: list[int], budget: float) -> BudgetC
     return every if every.kv_bytes_per_token + smallest_saving > budget * sum(untied) else None
 
 
+def keeps_untied_layers(config: Any, layers: list[int], budget: float | None) -> bool:
+    """Whether `budget` (None: no budget) can leave some of the converted `layers` as the source has them, known
+    before any layer is ranked."""
+    return budget is not None and every_layer_needed(config, layers, budget) is None
+
+
 def tie_layers(config: Any, tied: list[int], budget: float = 1.0) -> BudgetChoice:
     """The choice that ties exactly `tied` (in `config`'s mode for each) and keeps every other layer the source's."""
     untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)

@@ -17,7 +17,7 @@ import torch
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM, model_dir
 from qkvshare.convert import io as files
-from qkvshare.convert.budget import check_cache_budget, every_layer_needed
+from qkvshare.convert.budget import check_cache_budget, keeps_untied_layers
 from qkvshare.convert.calibration import calibration_ids, check_calibration_ids
 from qkvshare.convert.conversion import ConversionRecord, convert, plan_conversion
 from qkvshare.convert.distill import (
@@ -83,9 +83,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
         if args.distill_tokens > 0:
-            # before the budget's choice: untied layers unless the budget needs every converted layer tied
-            layers = changed_layers(config, source_kv)
-            untied = args.cache_budget is not None and every_layer_needed(config, layers, args.cache_budget) is None
+            untied = keeps_untied_layers(config, changed_layers(config, source_kv), args.cache_budget)
             settings = distill_settings(args, leaves_layers_untied=untied)
             check_trainable_modules(config, settings)
             check_centring(config, settings)
@@ -284,8 +282,9 @@ def distil(
     on the calibration text's train split (`qkvshare.train.distill`) in the work folder, and record its errors, KL
     divergence, tokens and time. Returns the distilled model. A run that diverges (`distill.DivergenceWatch`) is
     stopped; when it trained every parameter (`--distill_trainable_modules all`, or `auto` with every layer tied),
-    stage (c) then trains again from the same model with the attention's output projections frozen (`WITHOUT_O_PROJ_RUN`, recorded as `first_run`); when that diverges too,
-    or the user's own modules did, the model of stages (a)-(b) is returned (`kept_after_divergence`)."""
+    stage (c) then trains again from the same model with the attention's output projections frozen
+    (`WITHOUT_O_PROJ_RUN`, recorded as `first_run`); when that diverges too, or the user's own modules did, the model
+    of stages (a)-(b) is returned (`kept_after_divergence`). `auto` reads the budget's choice from `record`."""
     started = time.perf_counter()
     settings = distill_settings(args, leaves_layers_untied(record))
     if args.distill_trainable_modules == AUTO_MODULES and settings.trainable_modules is not None:
