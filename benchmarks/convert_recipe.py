@@ -26,8 +26,9 @@ Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
   and each stage's own time summed over every run (making.json's `stage_seconds`), which times a recipe killed
   and resumed (Ctrl-C, or a session's end) as if it had run once.
 Rows made from the same text share its stages (a) and (b) (one work folder per text), so their wall times are
-the stages they add; `recipe` is timed whole. `--trainable_modules` restricts stage (c)'s training (default: all;
-rows "-attn" for `self_attn`).
+the stages they add; `recipe` is timed whole. `--trainable_modules` is stage (c)'s `--distill_trainable_modules`
+(default `auto`, as the command's: every parameter with every layer tied, the attention only at a budget that keeps
+layers untied); a row trained on the attention only is labelled "-attn".
 Report: OUT/recipe.md (one table: making and measures) and OUT/pareto.png (perplexity on held-out English and code
 against the KV bytes per token).
 """
@@ -73,7 +74,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--distill_learning_rate", type=float, default=None, help="stage (c)'s peak (default: the command's)"
     )
-    p.add_argument("--trainable_modules", nargs="*", default=None, help="stage (c) trains only these (e.g. self_attn)")
+    p.add_argument(
+        "--trainable_modules",
+        nargs="*",
+        default=["auto"],
+        help="stage (c)'s --distill_trainable_modules (auto, all, self_attn)",
+    )
     p.add_argument(
         "--hidden_weight", type=float, default=None, help="stage (c)'s hidden-state loss weight (rows '-hidW')"
     )
@@ -139,14 +145,14 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained only `--trainable_modules`), "-lrX", "-hidW", "-bf16", "-centred" and "-rel"
+        errors), "-attn" (stage (c) trained the attention only), "-lrX", "-hidW", "-bf16", "-centred" and "-rel"
         (stage (c)'s peak, hidden-state loss weight, precision, centred output projections and relative learning
         rates)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
-        if distilled and self.args.trainable_modules:
-            row += "-" + "-".join(m.replace("self_", "") for m in self.args.trainable_modules)
+        if distilled and (modules := self.trained_modules(budget)):
+            row += "-" + "-".join(m.replace("self_", "") for m in modules)
         if distilled and self.args.distill_learning_rate is not None:
             row += f"-lr{self.args.distill_learning_rate:g}"
         if distilled and self.args.hidden_weight is not None:
@@ -158,6 +164,17 @@ class Maker:
         if distilled and self.args.relative_learning_rates:
             row += "-rel"
         return row
+
+    def trained_modules(self, budget: float | None) -> list[str] | None:
+        """What stage (c) trains at `budget` (None: every parameter), resolved as the command resolves
+        `--distill_trainable_modules` (`auto`: the attention only where the budget keeps layers untied)."""
+        from qkvshare.convert.budget import keeps_untied_layers
+        from qkvshare.convert.pipeline import trainable_modules
+        from qkvshare.convert.transfer import changed_layers
+
+        config, source_kv = self.stage_config(), self.source.config.num_key_value_heads
+        untied = keeps_untied_layers(config, changed_layers(config, source_kv), budget)
+        return trainable_modules(self.settings("stdlib", "modules"), untied)
 
     def done(self, row: str) -> bool:
         return (self.out / "models" / row / "making.json").is_file()
@@ -190,6 +207,7 @@ class Maker:
             distill_bf16=a.bf16,
             distill_centre_output_projections=a.centre_output_projections,
             distill_relative_learning_rates=a.relative_learning_rates,
+            distill_trainable_modules=a.trainable_modules,
             overwrite_output_dir=True,
             **extra,
         )
@@ -280,8 +298,7 @@ class Maker:
         model, record, _ = self.stages(text, budget)
         stage_model = self.save(row + "-stages", model, record)
         del model
-        extra = {"trainable_modules": self.args.trainable_modules} if self.args.trainable_modules else {}
-        args = self.settings(text, row, **{f"distill_{k}": v for k, v in extra.items()})
+        args = self.settings(text, row)
         started = time.perf_counter()
         distilled = distil(
             args, self.source, stage_model, record, self.tokenizer, mix, validation, self.out / "work" / row
@@ -294,7 +311,8 @@ class Maker:
             )
         path = self.save(row, distilled, record)
         retried = {"first_run": stage["first_run"]} if "first_run" in stage else {}
-        self.finish(row, path, seconds=seconds, tokens=stage["tokens"], budget=budget, **extra, **retried)
+        trained = {"trainable_modules": self.trained_modules(budget)}
+        self.finish(row, path, seconds=seconds, tokens=stage["tokens"], budget=budget, **trained, **retried)
 
     def make_recipe(self) -> None:
         from qkvshare.convert import convert_checkpoint
