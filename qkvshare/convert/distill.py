@@ -87,10 +87,11 @@ BESIDES_O_PROJ = ("q_proj", "k_proj", "v_proj", "mlp", "embed_tokens", "norm", "
 OUTPUT_PROJECTION = "o_proj"
 
 
-def besides_output_projections(config: Any) -> list[str]:
-    """Patterns that train every parameter of `config`'s model except the attention's output projections (weights
-    and biases): `BESIDES_O_PROJ`'s that match a parameter, then the full name of any other parameter none covers."""
-    names = [name for name in _parameters(config) if OUTPUT_PROJECTION not in name]
+def besides_output_projections(config: Any, patterns: list[str] | None = None) -> list[str]:
+    """Patterns that train what `patterns` (--distill_trainable_modules; None: every parameter) trains of `config`'s
+    model except the attention's output projections (weights and biases): `BESIDES_O_PROJ`'s that match such a
+    parameter, then the full name of any other parameter none covers."""
+    names = [name for name in trained_names(list(_parameters(config)), patterns) if OUTPUT_PROJECTION not in name]
     patterns = [p for p in BESIDES_O_PROJ if any(p in name for name in names)]
     patterns += [name for name in names if not any(p in name for p in patterns)]
     return patterns

@@ -378,6 +378,11 @@ def _diverged(diverged: dict[str, Any]) -> str:
     )
 
 
+def _rate(value: float) -> str:
+    """A learning rate as a user types it: 3e-5, 0.001."""
+    return f"{value:g}".replace("e-0", "e-")
+
+
 def kept_after_divergence(
     stage_model: Path,
     config: QKVShareConfig,
@@ -390,16 +395,23 @@ def kept_after_divergence(
     """Stage (c) diverged (`distill.DivergenceWatch`), in the user's `--distill_trainable_modules` or, after the
     default's first run, without the output projections: say so (what to try next), record it, and return the model
     of stages (a)-(b)."""
+    hints = []
     if first_run is not None:
-        hint = "; a --cache_budget that leaves some layers untied may converge"
+        hints.append("a --cache_budget that leaves some layers untied may converge")
     elif trains_output_projections(config, settings):
-        hint = (
-            ". Where this was seen (Qwen2.5-Coder-0.5B, every layer tied: the output projections of layers whose "
-            "shared key/value carries large biases), training all but the output projections converged: "
-            f"--distill_trainable_modules {' '.join(besides_output_projections(config))}"
+        kept = besides_output_projections(config, settings.trainable_modules)
+        hints.append(
+            "training the same without the attention's output projections may converge (on Qwen2.5-Coder-0.5B with "
+            "every layer tied, where the output projections of layers whose shared key/value carries large biases "
+            f"diverged, it did): --distill_trainable_modules {' '.join(kept)}"
         )
-    else:
-        hint = ""
+    default_peak = TRANSFER_DEFAULTS["distill_learning_rate"]
+    if settings.learning_rate > default_peak:
+        hints.append(
+            f"a --distill_learning_rate below {_rate(settings.learning_rate)} may converge (the default "
+            f"{_rate(default_peak)} did where 1e-4 diverged on Qwen2.5-Coder-0.5B at --cache_budget 0.75)"
+        )
+    hint = "; " + "; or ".join(hints) if hints else ""
     again = " again, without the output projections," if first_run is not None else ""
     print(
         f"qkvshare convert: warning: stage (c){again} {_diverged(diverged)}; the model of stages (a)-(b) is saved "
