@@ -29,6 +29,9 @@ Rows made from the same text share its stages (a) and (b) (one work folder per t
 the stages they add; `recipe` is timed whole. `--trainable_modules` is stage (c)'s `--distill_trainable_modules`
 (default `auto`, as the command's: every parameter with every layer tied, the attention only at a budget that keeps
 layers untied); a row trained on the attention only is labelled "-attn".
+The distilled rows of one text and budget start from one saved model of stages (a)-(b) (OUT/models/stages-...,
+measured as no row); a finished row's stage-(c) checkpoints are removed (its work folder keeps the losses and final
+metrics), so a row costs the disk its model, not three copies of it.
 Report: OUT/recipe.md (one table: making and measures) and OUT/pareto.png (perplexity on held-out English and code
 against the KV bytes per token).
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -296,7 +300,9 @@ class Maker:
             return
         mix, _, validation, _, _ = self.text(text)
         model, record, _ = self.stages(text, budget)
-        stage_model = self.save(row + "-stages", model, record)
+        # one saved model of stages (a)-(b) per text and budget, whatever stage (c) then does with it
+        stages = f"stages-{slug(text)}" if budget is None else f"stages-budget-{budget}-{slug(text)}"
+        stage_model = self.save(self.label(stages, budget), model, record)
         del model
         args = self.settings(text, row)
         started = time.perf_counter()
@@ -313,6 +319,8 @@ class Maker:
         retried = {"first_run": stage["first_run"]} if "first_run" in stage else {}
         trained = {"trainable_modules": self.trained_modules(budget)}
         self.finish(row, path, seconds=seconds, tokens=stage["tokens"], budget=budget, **trained, **retried)
+        for checkpoints in (self.out / "work" / row).glob("*/checkpoints"):  # the row is saved: its resume points go
+            shutil.rmtree(checkpoints)
 
     def make_recipe(self) -> None:
         from qkvshare.convert import convert_checkpoint
