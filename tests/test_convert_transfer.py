@@ -562,6 +562,21 @@ def test_a_diverging_stage_c_is_stopped_and_the_model_of_stages_a_b_is_saved(
     calm = DivergenceWatch()
     for step, loss in enumerate([1.0, 1.9, 1.2, 1.5, 0.9, 0.8, 0.7], 1):  # noisy, but not rising
         calm(step, loss, None)
+    # Qwen2.5-Coder-0.5B at budget 0.75, steps 1-35: two hard steps (30, 31) above twice the first, then the usual
+    # losses again; their mean with step 29's is above twice the first, but the run had not diverged
+    spike = [0.1422, 0.1391, 0.2069, 0.1835, 0.1585, 0.2128, 0.1826, 0.1796, 0.1957, 0.1837, 0.152, 0.1486, 0.1759]
+    spike += [0.1355, 0.1208, 0.2038, 0.1666, 0.1829, 0.156, 0.1423, 0.1508, 0.1225, 0.1453, 0.126, 0.1536, 0.1439]
+    spike += [0.1255, 0.2018, 0.1494, 0.471, 0.3674, 0.141, 0.13, 0.202, 0.2]
+    assert sum(spike[28:31]) / 3 > 2 * spike[0]
+    hard = DivergenceWatch()
+    for step, loss in enumerate(spike, 1):
+        hard(step, loss, None)
+    # a rise that lasts is stopped once every step of the window is above twice the first (Qwen at a peak of 1e-4)
+    rising = DivergenceWatch()
+    for step, loss in enumerate([0.156, 0.275, 0.432, 0.535], 1):
+        rising(step, loss, None)
+    with pytest.raises(DistillationDiverged, match="rose from 0.156 to 0.610 by step 5"):
+        rising(5, 0.61, None)
     # resumed from a checkpoint at step 2 (steps 3-4 repeated): still compared with the first step's loss
     kept = tmp_path / "losses.json"
     first = DivergenceWatch(kept)
