@@ -178,7 +178,7 @@ class Maker:
 
         config, source_kv = self.stage_config(), self.source.config.num_key_value_heads
         untied = keeps_untied_layers(config, changed_layers(config, source_kv), budget)
-        return trainable_modules(self.settings("stdlib", "modules"), untied)
+        return trainable_modules(self.args.trainable_modules, untied)
 
     def done(self, row: str) -> bool:
         return (self.out / "models" / row / "making.json").is_file()

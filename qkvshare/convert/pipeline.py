@@ -201,15 +201,16 @@ def distill_settings(args: ConvertArgs, leaves_layers_untied: bool = False) -> D
     `trainable_modules`)."""
     args = with_distill_precision(args)
     fields = {field: getattr(args, flag) for field, flag in DISTILL_FLAGS.items()}
-    return DistillSettings(**fields, trainable_modules=trainable_modules(args, leaves_layers_untied))
+    return DistillSettings(
+        **fields, trainable_modules=trainable_modules(args.distill_trainable_modules, leaves_layers_untied)
+    )
 
 
-def trainable_modules(args: ConvertArgs, leaves_layers_untied: bool) -> list[str] | None:
-    """What stage (c) trains (None: every parameter): `--distill_trainable_modules` as given, where `auto` (the
+def trainable_modules(patterns: list[str], leaves_layers_untied: bool) -> list[str] | None:
+    """What stage (c) trains (None: every parameter): `--distill_trainable_modules` `patterns` as given, where `auto` (the
     default) is every parameter when every layer is tied and the attention only (`BUDGET_TRAINABLE_MODULES`) when a
     --cache_budget leaves layers as the source has them: there, training the rest of the network too was 1% better
     on SmolLM2-135M and 3% worse on Qwen2.5-Coder-0.5B (docs/results.md section 11.3), and slower."""
-    patterns = args.distill_trainable_modules
     if patterns == AUTO_MODULES:
         return list(BUDGET_TRAINABLE_MODULES) if leaves_layers_untied else None
     return None if patterns == ALL_PARAMETERS else list(patterns)
