@@ -88,14 +88,21 @@ def free_bytes(path: str | Path) -> int | None:
         return None
 
 
-def check_free_space(path: str | Path, needed: int, what: str) -> None:
+def folder_bytes(folder: str | Path) -> int:
+    """The bytes of the files under `folder` (0 when it does not exist)."""
+    folder = Path(folder)
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
+def check_free_space(path: str | Path, needed: int, what: str, fix: str = "") -> None:
     """A `ValueError` naming `what`, `path` and both sizes when the file system holding `path` has less than
-    `needed` bytes free (checked before a write starts; nothing happens when the free space is unknown)."""
+    `needed` bytes free (checked before a write starts; nothing happens when the free space is unknown). `fix`: a
+    further way out, said after "free space there or write elsewhere" (", or ...")."""
     free = free_bytes(path)
     if free is not None and free < needed:
         raise ValueError(
             f"{what} needs about {needed / 2**20:,.1f} MiB but the disk holding {Path(path).expanduser()} has "
-            f"{free / 2**20:,.1f} MiB free; free space there or write elsewhere."
+            f"{free / 2**20:,.1f} MiB free; free space there or write elsewhere{fix}."
         )
 
 

@@ -19,12 +19,15 @@ from test_convert import HEAD_DIM, HEADS, VOCAB
 from test_convert import llama as tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from qkvshare import QKVShareCache
+from qkvshare import QKVShareCache, QKVShareConfig, runtime
 from qkvshare.convert import convert, save_converted
 from qkvshare.convert.data import documents, split_documents, split_of
-from qkvshare.convert.pipeline import distill_settings
+from qkvshare.convert.distill import checkpoint_bytes
+from qkvshare.convert.pipeline import disk_bytes, distill_settings
 from qkvshare.convert.transfer import StopAfter, TransferSettings, run_stages
+from qkvshare.runtime import folder_bytes
 from qkvshare.train.tokenizer import train_bpe_tokenizer
+from qkvshare_settings.convert import parse_args
 
 train_main = command("train")
 
@@ -538,9 +541,54 @@ def test_ctrl_c_in_stage_c_exits_130_and_the_same_command_continues(source_dir, 
     assert "SIGINT received: stopped after step 1 of" in err and "rerun the same conversion to continue" in err, err
     work = tmp_path / ".out.qkvshare-convert"
     assert not out.exists() and (work / "distill" / "checkpoints" / "checkpoint-1").is_dir()
+    # the disk check's terms are the files written: the float32 stage model, a checkpoint with AdamW's states
+    config = QKVShareConfig.from_pretrained(work / "stage-model")
+    settings = distill_settings(parse_args(argv[1:]), leaves_layers_untied=False)
+    weights = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(work / "stage-model").parameters())
+    assert 1 < (work / "stage-model" / "model.safetensors").stat().st_size / (4 * weights) < 1.01
+    checkpoint = work / "distill" / "checkpoints" / "checkpoint-1"
+    saved = sum((checkpoint / name).stat().st_size for name in ("model.safetensors", "optimizer.bin"))
+    assert 1 < saved / checkpoint_bytes(config, settings) < 1.03, (saved, checkpoint_bytes(config, settings))
+    # continued, it needs what is not written yet: refused (nothing touched) one byte short, run with that byte
+    needed = disk_bytes(config, "float32", "transfer", settings) - folder_bytes(work)
+    written = sorted(work.rglob("*"))
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: needed - 1)
+    assert qkvshare_cli.main(argv) == 2
+    assert f"the conversion into {out} (in its work folder {work} while it runs" in capsys.readouterr().err
+    assert sorted(work.rglob("*")) == written and not out.exists()
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: needed)
     monkeypatch.setattr(pretrain.StopRequest, "agreed", agreed)
     assert qkvshare_cli.main(argv) == 0
     assert json.loads((out / "conversion.json").read_text())["stages"]["distill"]["tokens"] >= 256
+
+
+def test_convert_refuses_a_disk_without_room_for_its_work_folder_before_any_work(
+    source_dir, corpus, tmp_path, monkeypatch, capsys
+):
+    """Only the converted model's size was checked against the free space, while the work folder beside it holds
+    far more at its peak (the model of stages (a)-(b), two checkpoints with AdamW's states: 3.9 GB for SmolLM2-135M,
+    18 GB for Qwen2.5-Coder-0.5B as de-quantized): a disk without that room stopped the conversion when it filled,
+    hours in. The whole is checked before any work, with the way out."""
+    import qkvshare_cli
+
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: 20 * 2**20)  # beside the work folder's 64 MiB margin
+    out = tmp_path / "out"
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, out, "--distill_tokens", "256")) == 2
+    err = capsys.readouterr().err
+    work = tmp_path / ".out.qkvshare-convert"
+    assert f"the conversion into {out} (in its work folder {work} while it runs: the model of stages (a)-(b)" in err
+    # 119,104 parameters (20,480 in the attention), float32: the 64 MiB margin, 2 x 4 x 20,480 of stage (b)'s files,
+    # the stage model (476,416), two checkpoints (2 x (476,416 + 8 x 119,104)): 70,131,200 bytes + the model 476,416
+    assert f"needs about 67.3 MiB but the disk holding {tmp_path} has 20.0 MiB free; free space there or write " in err
+    assert "or convert with --distill_tokens 0 (stages (a)-(b) only: about 64.6 MiB) and distil where" in err, err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, out)) == 2  # stages (a)-(b) only: no stage (c) terms
+    err = capsys.readouterr().err
+    assert f"the conversion into {out} (its work folder {work} while it runs, then the model) needs about 64.6" in err
+    monkeypatch.setattr(runtime, "free_bytes", lambda path: 100)  # the other methods: the converted model only
+    assert qkvshare_cli.main(["convert", str(source_dir), "--variant", "Q-K=V", "--output_dir", str(out)]) == 2
+    assert f"the converted model {out} needs about 0.5 MiB but the disk" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_diverging_stage_c_is_stopped_and_the_model_of_stages_a_b_is_saved(

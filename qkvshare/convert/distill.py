@@ -46,11 +46,23 @@ def _parameters(config: Any) -> dict[str, torch.nn.Parameter]:
         return dict(QKVShareForCausalLM(config).named_parameters())
 
 
-def _memory_terms(config: Any, settings: DistillSettings, teacher: bool) -> tuple[int, int]:
-    """`distill_memory`'s (bytes whatever the micro-batch, bytes per block of a pass)."""
+def _counts(config: Any, settings: DistillSettings) -> tuple[int, int]:
+    """(parameters of `config`'s model, parameters stage (c) trains)."""
     names = _parameters(config)
     weights = sum(p.numel() for p in names.values())
-    trained = sum(names[n].numel() for n in trained_names(list(names), settings.trainable_modules))
+    return weights, sum(names[n].numel() for n in trained_names(list(names), settings.trainable_modules))
+
+
+def checkpoint_bytes(config: Any, settings: DistillSettings) -> int:
+    """The bytes of one stage-(c) checkpoint of `config`'s model: its weights in float32 and AdamW's two float32
+    states of what it trains (the tokenizer, manifest and training state beside them are small)."""
+    weights, trained = _counts(config, settings)
+    return 4 * weights + 8 * trained
+
+
+def _memory_terms(config: Any, settings: DistillSettings, teacher: bool) -> tuple[int, int]:
+    """`distill_memory`'s (bytes whatever the micro-batch, bytes per block of a pass)."""
+    weights, trained = _counts(config, settings)
     kv_width = config.num_key_value_heads * config.head_dim
     per_layer = 10 * config.hidden_size + 2 * kv_width + 4 * config.intermediate_size
     per_layer += config.num_attention_heads * settings.block_size

@@ -26,6 +26,7 @@ from qkvshare.convert.distill import (
     check_distill_memory,
     check_relative_rates,
     check_trainable_modules,
+    checkpoint_bytes,
     run_distillation,
     trains_output_projections,
 )
@@ -37,7 +38,7 @@ from qkvshare.convert.transfer import (
     measure_layer_errors,
 )
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
-from qkvshare.runtime import check_free_space, native_bf16, torch_dtype
+from qkvshare.runtime import check_free_space, folder_bytes, native_bf16, torch_dtype
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.convert import (
     ALL_PARAMETERS,
@@ -67,9 +68,6 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
     config, method, query_method = plan_conversion(
         source_config, args.variant, args.method, args.query_method, **args.overrides
     )
-    check_free_space(
-        Path(args.output_dir).parent, saved_bytes(config, args.dtype), f"the converted model {args.output_dir}"
-    )
     tokenizer = model_dir.load_source_tokenizer(args.source)
     source_kv = source_config.get("num_key_value_heads") or source_config["num_attention_heads"]
     check_cache_budget(config, method, source_kv, args.cache_budget)
@@ -80,6 +78,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
             f"{args.source} has no tokenizer, which method={method!r} needs to read calibration text; save the "
             "source's tokenizer next to its weights, or use --method key."
         )
+    settings = None
     if method == "transfer":  # before the text is read: the requested counts bound what is stored
         check_activation_memory(config, args.calibration_tokens, args.validation_tokens)
         if args.distill_tokens > 0:
@@ -89,6 +88,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
             check_centring(config, settings)
             check_relative_rates(config, settings)
             check_distill_memory(config, settings)
+    check_disk_space(args, config, method, settings)
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None
     writes_text = text is not None and "self" in text.sources
@@ -155,6 +155,57 @@ def saved_bytes(config: QKVShareConfig, dtype: str) -> int:
         model = QKVShareForCausalLM(config)
     element = torch.finfo(torch_dtype(dtype)).bits // 8
     return sum(p.numel() for p in model.parameters()) * element
+
+
+# The text files, tokenizers, model code and logs of a conversion's work folder and output, beside their weights
+WORK_FOLDER_MARGIN = 64 * 2**20
+
+
+def disk_bytes(config: QKVShareConfig, dtype: str, method: str | None, settings: DistillSettings | None) -> int:
+    """The most bytes a conversion into `config` holds at once on the disk of its output's parent: the converted
+    model in `dtype`, and with `method="transfer"` the work folder beside it (`WORK_FOLDER_MARGIN`, and stage (b)'s
+    fitted attention projections, two float32 copies); with stage (c) (`settings`), the float32 model of stages
+    (a)-(b) it trains, and the larger of two checkpoints at once (a new one is written before the last goes) and
+    one checkpoint beside the run's final float32 model and the converted model. A run retried after a divergence
+    adds its own checkpoints (written, or refused with the space left, as the first run's are)."""
+    published = saved_bytes(config, dtype)
+    if method != "transfer":
+        return published
+    with torch.device("meta"):
+        parameters = dict(QKVShareForCausalLM(config).named_parameters())
+    attention = sum(p.numel() for name, p in parameters.items() if ".self_attn." in name)
+    work = WORK_FOLDER_MARGIN + 2 * 4 * attention
+    if settings is None:
+        return work + published
+    model = 4 * sum(p.numel() for p in parameters.values())
+    checkpoint = checkpoint_bytes(config, settings)
+    return work + model + max(2 * checkpoint, checkpoint + model + published)
+
+
+def check_disk_space(
+    args: ConvertArgs, config: QKVShareConfig, method: str | None, settings: DistillSettings | None
+) -> None:
+    """A `ValueError` before any work when the disk of `args.output_dir`'s parent lacks `disk_bytes`, less what an
+    interrupted conversion into the same folder has written already (its work folder, continued)."""
+    out = Path(args.output_dir)
+    needed = disk_bytes(config, args.dtype, method, settings)
+    if method != "transfer":
+        check_free_space(out.parent, needed, f"the converted model {out}")
+        return
+    work = files.work_dir_for(out)
+    what = f"the conversion into {out} (its work folder {work} while it runs, then the model)"
+    fix = ""
+    if settings is not None:
+        what = (
+            f"the conversion into {out} (in its work folder {work} while it runs: the model of stages (a)-(b), "
+            "stage (c)'s checkpoints with AdamW's states and its final model; then the converted model)"
+        )
+        without = disk_bytes(config, args.dtype, method, None)
+        fix = (
+            f", or convert with --distill_tokens 0 (stages (a)-(b) only: about {without / 2**20:,.1f} MiB) and "
+            "distil where the disk has room, with `qkvshare train --init_from OUT --teacher SRC`"
+        )
+    check_free_space(out.parent, needed - folder_bytes(work), what, fix)
 
 
 # dataclass field <- command flag, for each stage's settings
