@@ -77,6 +77,17 @@ def available_bytes() -> int | None:
     return None
 
 
+def describe_bytes(n: float | None) -> str:
+    """A size as people read it: 512 B, 3.2 MiB, 17.9 GiB ("unknown" for None)."""
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def free_bytes(path: str | Path) -> int | None:
     """Free bytes on the file system holding `path` (its nearest existing parent), or None when unknown."""
     path = Path(path).expanduser().resolve()

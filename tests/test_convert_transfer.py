@@ -928,6 +928,47 @@ def test_cli_transfer_refuses_calibration_text_that_would_not_fit_in_memory(
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
+def test_convert_refuses_a_source_whose_weights_would_not_fit_in_memory_before_reading_them(
+    source_dir, corpus, tmp_path, capsys, monkeypatch
+):
+    """Only stages (a)-(b)'s activations and stage (c) were checked against the memory: a source too large to hold
+    beside its converted copy was read until the system killed the process. The weights are counted first."""
+    from types import SimpleNamespace
+
+    import qkvshare.convert.pipeline as pipeline
+    import qkvshare_cli
+    from qkvshare.convert.conversion import plan_conversion
+
+    # the source: 123,200 parameters (its k_proj too), 481.2 KiB in float32; the converted model 465.2 KiB; the
+    # transfer stages' activations 1,152 tokens x 2 layers x hidden 64 x 8 bytes = 1.1 MiB
+    monkeypatch.setattr(pipeline, "available_bytes", lambda: 2_000_000)
+    out = tmp_path / "out"
+    assert qkvshare_cli.main(convert_argv(source_dir, corpus, out)) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"converting {source_dir} needs about 2.0 MiB of memory (the source's weights in float32 (481.2 KiB), the "
+        "converted model's (465.2 KiB), stages (a)-(b)'s activations of 1,152 tokens (1.1 MiB)): more than 80% of "
+        "the 1.9 MiB available now. Free memory or convert on a larger machine, or lower --calibration_tokens." in err
+    ), err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(pipeline, "available_bytes", lambda: 1_000_000)  # the key method: the weights alone
+    assert qkvshare_cli.main(["convert", str(source_dir), "--variant", "Q-K=V", "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "needs about 946.5 KiB of memory (the source's weights in float32 (481.2 KiB), the converted" in err, err
+    assert "machine." in err and "--calibration_tokens" not in err and list(tmp_path.iterdir()) == []
+    # a .gguf is de-quantized into a copy: twice its weights while it loads
+    config = json.loads((source_dir / "config.json").read_text())
+    args = SimpleNamespace(source="model.gguf", calibration_tokens=1024, validation_tokens=128)
+    with pytest.raises(
+        ValueError,
+        match=r"about 962\.5 KiB of memory \(the source's weights in float32 \(481\.2 KiB, "
+        r"twice while the \.gguf loads\)",
+    ):
+        pipeline.check_conversion_memory(args, config, plan_conversion(config, "Q-K=V")[0], None)
+    monkeypatch.setattr(pipeline, "available_bytes", lambda: 1_300_000)  # 80%: above 962.5 KiB
+    pipeline.check_conversion_memory(args, config, plan_conversion(config, "Q-K=V")[0], None)
+
+
 def test_cli_transfer_refuses_a_distillation_that_would_not_fit_in_memory(
     source_dir, corpus, tmp_path, capsys, monkeypatch
 ):

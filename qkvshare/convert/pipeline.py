@@ -33,12 +33,21 @@ from qkvshare.convert.distill import (
 from qkvshare.convert.text import CalibrationText, add_self_text, read_calibration_text
 from qkvshare.convert.transfer import (
     TransferSettings,
+    activation_bytes,
     changed_layers,
     check_activation_memory,
     measure_layer_errors,
 )
 from qkvshare.evaluation.fidelity import reference_log_probs, score_blocks
-from qkvshare.runtime import check_free_space, folder_bytes, native_bf16, torch_dtype
+from qkvshare.runtime import (
+    MEMORY_SHARE,
+    available_bytes,
+    check_free_space,
+    describe_bytes,
+    folder_bytes,
+    native_bf16,
+    torch_dtype,
+)
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.convert import (
     ALL_PARAMETERS,
@@ -89,6 +98,7 @@ def convert_checkpoint(args: ConvertArgs) -> ConversionRecord:
             check_relative_rates(config, settings)
             check_distill_memory(config, settings)
     check_disk_space(args, config, method, settings)
+    check_conversion_memory(args, source_config, config, method)
     needs_text = changes_attention and tokenizer is not None
     text = read_calibration_text(args) if needs_text else None
     writes_text = text is not None and "self" in text.sources
@@ -150,11 +160,44 @@ def calibration_blocks(
 
 
 def saved_bytes(config: QKVShareConfig, dtype: str) -> int:
-    """The bytes of the converted model's weights in `dtype` (built on the meta device: nothing is allocated)."""
+    """The bytes of the converted model's weights in `dtype`."""
+    return parameter_count(config) * (torch.finfo(torch_dtype(dtype)).bits // 8)
+
+
+def parameter_count(config: QKVShareConfig) -> int:
+    """The parameters of `config`'s model (built on the meta device: nothing is allocated)."""
     with torch.device("meta"):
-        model = QKVShareForCausalLM(config)
-    element = torch.finfo(torch_dtype(dtype)).bits // 8
-    return sum(p.numel() for p in model.parameters()) * element
+        return sum(p.numel() for p in QKVShareForCausalLM(config).parameters())
+
+
+def check_conversion_memory(args: ConvertArgs, source_config: Any, config: QKVShareConfig, method: str | None) -> None:
+    """A `ValueError` before any weight is read when the conversion would not fit in memory: the source's float32
+    weights beside the converted model's and, with `method="transfer"`, stages (a)-(b)'s stored activations; a .gguf
+    source is de-quantized into a plain copy, which holds its weights twice while it loads. Stage (c) has its own
+    check (`check_distill_memory`)."""
+    free = available_bytes()
+    if free is None:
+        return
+    source = 4 * parameter_count(plan_conversion(source_config)[0])  # the source's own shape
+    converted = 4 * parameter_count(config)
+    tokens = args.calibration_tokens + args.validation_tokens
+    activations = activation_bytes(config, tokens) if method == "transfer" else 0
+    gguf = str(args.source).endswith(".gguf")
+    need = max(2 * source if gguf else 0, source + converted + activations)
+    if need <= MEMORY_SHARE * free:
+        return
+    parts = [
+        f"the source's weights in float32 ({describe_bytes(source)}{', twice while the .gguf loads' if gguf else ''})"
+    ]
+    parts.append(f"the converted model's ({describe_bytes(converted)})")
+    if activations:
+        parts.append(f"stages (a)-(b)'s activations of {tokens:,} tokens ({describe_bytes(activations)})")
+    fewer = ", or lower --calibration_tokens" if activations else ""
+    raise ValueError(
+        f"converting {args.source} needs about {describe_bytes(need)} of memory ({', '.join(parts)}): more than "
+        f"{MEMORY_SHARE:.0%} of the {describe_bytes(free)} available now. Free memory or convert on a larger "
+        f"machine{fewer}."
+    )
 
 
 # The text files, tokenizers, model code and logs of a conversion's work folder and output, beside their weights

@@ -111,7 +111,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from qkvshare.convert.calibration import calibration_ids
-from qkvshare.runtime import MEMORY_SHARE, available_bytes, free_bytes, write_whole
+from qkvshare.runtime import MEMORY_SHARE, available_bytes, describe_bytes, free_bytes, write_whole
 
 logger = logging.get_logger(__name__)
 
@@ -892,18 +892,8 @@ class SelfTextEstimate:
         return (
             f"self text: {self.tokens:,} tokens requested, {self.cached_tokens:,} cached, {missing:,} to generate at "
             f"about {self.tokens_per_second:,.0f} tokens/s: about {_duration(self.seconds)}; memory about "
-            f"{_size(self.memory_bytes)} (available {_size(self.available_bytes)}), disk about {_size(self.disk_bytes)}"
+            f"{describe_bytes(self.memory_bytes)} (available {describe_bytes(self.available_bytes)}), disk about {describe_bytes(self.disk_bytes)}"
         )
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _duration(seconds: float) -> str:
@@ -1111,15 +1101,15 @@ def _check_memory_and_disk(estimate: SelfTextEstimate, s: SelfTextSettings) -> N
     if available is not None and estimate.memory_bytes > MEMORY_SHARE * available:
         copy = " (its bf16 copy of the weights included: bf16=False needs none)" if s.bf16 else ""
         raise ValueError(
-            f"self text: generating {estimate.tokens:,} tokens needs about {_size(estimate.memory_bytes)} of memory "
-            f"besides the model{copy}, more than {MEMORY_SHARE:.0%} of the {_size(available)} available: lower "
+            f"self text: generating {estimate.tokens:,} tokens needs about {describe_bytes(estimate.memory_bytes)} of memory "
+            f"besides the model{copy}, more than {MEMORY_SHARE:.0%} of the {describe_bytes(available)} available: lower "
             "batch_size or max_new_tokens, or ask for fewer tokens."
         )
     free = estimate.disk_free_bytes
     if free is not None and estimate.disk_bytes > free:
         raise ValueError(
-            f"self text: the shards of {estimate.tokens:,} tokens need about {_size(estimate.disk_bytes)} of disk, "
-            f"the work folder's disk has {_size(free)} free."
+            f"self text: the shards of {estimate.tokens:,} tokens need about {describe_bytes(estimate.disk_bytes)} of disk, "
+            f"the work folder's disk has {describe_bytes(free)} free."
         )
 
 
