@@ -83,9 +83,9 @@ def describe_bytes(n: float | None) -> str:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            break
         n /= 1024
-    return f"{n} B"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def free_bytes(path: str | Path) -> int | None:

@@ -236,9 +236,9 @@ def check_disk_space(
         check_free_space(out.parent, needed, f"the converted model {out}")
         return
     work = files.work_dir_for(out)
-    what = f"the conversion into {out} (its work folder {work} while it runs, then the model)"
-    fix = ""
-    if settings is not None:
+    if settings is None:
+        what, fix = f"the conversion into {out} (its work folder {work} while it runs, then the model)", ""
+    else:
         what = (
             f"the conversion into {out} (in its work folder {work} while it runs: the model of stages (a)-(b), "
             "stage (c)'s checkpoints with AdamW's states and its final model; then the converted model)"

@@ -34,7 +34,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from qkvshare.model_dir import SAFETENSORS_WEIGHTS
-from qkvshare.runtime import free_bytes, is_disk_full
+from qkvshare.runtime import folder_bytes, free_bytes, is_disk_full
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.train import TrainingSetupError
 
@@ -358,10 +358,6 @@ def _manifest(folder: Path) -> dict[str, int]:
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(_manifest(folder).values())
-
-
 def _finish(tmp: Path, final: Path, state: dict[str, Any], tokenizer: Any) -> None:
     """Main process: tokenizer, manifest and state file into `tmp`, then `tmp` becomes `final` atomically."""
     tokenizer.save_pretrained(tmp)
@@ -405,7 +401,7 @@ def save_checkpoint(
         previous = [p for p in list_checkpoints(output_dir) if p != final]
         kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
         if failure == NO_SPACE:
-            size = f", and {previous[-1].name} took {_folder_bytes(previous[-1]):,} bytes" if previous else ""
+            size = f", and {previous[-1].name} took {folder_bytes(previous[-1]):,} bytes" if previous else ""
             failure = (
                 f"the disk is full ({NO_SPACE}; {free_bytes(root):,} bytes free after removing the partial "
                 f"checkpoint-{step}{size})"
