@@ -79,6 +79,12 @@ def parse_args() -> argparse.Namespace:
         "--distill_learning_rate", type=float, default=None, help="stage (c)'s peak (default: the command's)"
     )
     p.add_argument(
+        "--distill_warmup_steps",
+        type=int,
+        default=None,
+        help="stage (c)'s steps of warmup to the peak (rows '-wuN'; default: the command's)",
+    )
+    p.add_argument(
         "--trainable_modules",
         nargs="*",
         default=["auto"],
@@ -149,9 +155,9 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained the attention only), "-lrX", "-hidW", "-bf16", "-centred" and "-rel"
-        (stage (c)'s peak, hidden-state loss weight, precision, centred output projections and relative learning
-        rates)."""
+        errors), "-attn" (stage (c) trained the attention only), "-lrX", "-wuN", "-hidW", "-bf16", "-centred" and
+        "-rel" (stage (c)'s peak, warmup steps, hidden-state loss weight, precision, centred output projections and
+        relative learning rates)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
@@ -159,6 +165,8 @@ class Maker:
             row += "-" + "-".join(m.replace("self_", "") for m in modules)
         if distilled and self.args.distill_learning_rate is not None:
             row += f"-lr{self.args.distill_learning_rate:g}"
+        if distilled and self.args.distill_warmup_steps is not None:
+            row += f"-wu{self.args.distill_warmup_steps}"
         if distilled and self.args.hidden_weight is not None:
             row += f"-hid{self.args.hidden_weight:g}"
         if distilled and self.args.bf16:
@@ -207,6 +215,7 @@ class Maker:
             transfer_steps=a.transfer_steps,
             distill_tokens=a.distill_tokens,
             **({"distill_learning_rate": a.distill_learning_rate} if a.distill_learning_rate is not None else {}),
+            **({"distill_warmup_steps": a.distill_warmup_steps} if a.distill_warmup_steps is not None else {}),
             **({"distill_hidden_weight": a.hidden_weight} if a.hidden_weight is not None else {}),
             distill_bf16=a.bf16,
             distill_centre_output_projections=a.centre_output_projections,

@@ -146,6 +146,7 @@ TRANSFER_DEFAULTS = {
     "distill_tokens": 262144,  # 128 steps of 4 x 512: about 35 minutes for SmolLM2-135M on 2 CPU cores
     "distill_batch_size": 4,
     "distill_learning_rate": 3e-5,  # 1e-4 helps SmolLM2 all tied, but hurts Qwen2 all tied (docs/results.md 11.3)
+    "distill_warmup_steps": 2,  # steps of linear warmup to the peak, then cosine down to a tenth of it
     "distill_temperature": 1.0,
     "distill_lm_weight": 0.0,
     "distill_hidden_weight": 0.0,
@@ -218,6 +219,7 @@ class ConvertArgs:
     distill_tokens: int = TRANSFER_DEFAULTS["distill_tokens"]  # stage (c) tokens (0: no stage (c))
     distill_batch_size: int = TRANSFER_DEFAULTS["distill_batch_size"]  # stage (c) blocks per step
     distill_learning_rate: float = TRANSFER_DEFAULTS["distill_learning_rate"]  # stage (c) peak learning rate
+    distill_warmup_steps: int = TRANSFER_DEFAULTS["distill_warmup_steps"]  # stage (c) steps up to the peak
     distill_temperature: float = TRANSFER_DEFAULTS["distill_temperature"]  # stage (c) KL temperature
     distill_lm_weight: float = TRANSFER_DEFAULTS["distill_lm_weight"]  # stage (c) LM loss weight
     distill_hidden_weight: float = TRANSFER_DEFAULTS["distill_hidden_weight"]  # stage (c) hidden-state loss weight
@@ -372,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill_batch_size", type=int, default=t["distill_batch_size"], help="stage (c) blocks per step")
     p.add_argument("--distill_learning_rate", type=float, default=t["distill_learning_rate"], help="stage (c) peak")
     p.add_argument(
+        "--distill_warmup_steps",
+        type=int,
+        default=t["distill_warmup_steps"],
+        help="stage (c) steps of linear warmup to the peak (then cosine down to a tenth of it)",
+    )
+    p.add_argument(
         "--distill_temperature", type=float, default=t["distill_temperature"], help="stage (c) KL temperature"
     )
     p.add_argument("--distill_lm_weight", type=float, default=t["distill_lm_weight"], help="stage (c) LM loss weight")
@@ -511,6 +519,19 @@ def check_transfer_args(args: ConvertArgs) -> None:
     for name in ("transfer_learning_rate", "distill_learning_rate", "distill_temperature"):
         if not getattr(args, name) > 0:  # also catches nan
             raise ValueError(f"--{name} {getattr(args, name)} must be a number > 0.")
+    if args.distill_warmup_steps < 0:
+        raise ValueError(
+            f"--distill_warmup_steps {args.distill_warmup_steps} must be >= 0 (0: stage (c) starts at its peak)."
+        )
+    steps = math.ceil(args.distill_tokens / (args.distill_batch_size * args.calibration_block_size))
+    # the warmup's last step is at the peak; a default longer than a short run's steps is its old behaviour, allowed
+    if args.distill_warmup_steps > max(steps, TRANSFER_DEFAULTS["distill_warmup_steps"]):
+        raise ValueError(
+            f"--distill_warmup_steps {args.distill_warmup_steps} is more than stage (c)'s {steps} steps "
+            f"(--distill_tokens {args.distill_tokens} / (--distill_batch_size {args.distill_batch_size} x "
+            f"{args.calibration_block_size}-token blocks)): the peak would never be reached; give at most {steps}, "
+            f"e.g. {max(1, steps // 8)} (an eighth of them)."
+        )
     if args.cache_budget is None and args.budget_choice != DEFAULT_BUDGET_CHOICE:
         raise ValueError(
             f"--budget_choice {args.budget_choice} ranks the layers --cache_budget ties, but no --cache_budget is "

@@ -800,6 +800,14 @@ def test_cli_stage_c_trains_only_the_modules_asked_for(source_dir, corpus, tmp_p
         argv = convert_argv(source_dir, corpus, out, "--distill_tokens", "256", "--distill_trainable_modules", *modules)
         assert distill_settings(parse_args(argv[1:])).trainable_modules == (None if modules == ["all"] else modules)
         assert distill_settings(parse_args([*argv[1:], "--distill_hidden_weight", "0.5"])).hidden_weight == 0.5
+        assert distill_settings(parse_args([*argv[1:], "--distill_warmup_steps", "1"])).warmup_steps == 1
+        assert (
+            distill_settings(
+                parse_args(convert_argv(source_dir, corpus, out, "--distill_tokens", "32")[1:])
+            ).warmup_steps
+            == 2
+        )
+        assert distill_settings(parse_args(argv[1:])).warmup_steps == 2
         relative = distill_settings(parse_args([*argv[1:], "--distill_relative_learning_rates"]))
         assert relative.relative_learning_rates and not distill_settings(parse_args(argv[1:])).relative_learning_rates
         assert (
@@ -878,6 +886,12 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
         (["--variant", "Q-MQA", "--cache_budget", "0.6"], "pools the source's 2 key/value heads into 1"),
         (["--variant", "QKV"], "changes none of the source's (an exact copy)"),
         (["--distill_lm_weight", "1"], "--distill_lm_weight 1.0 must be in [0, 1)"),
+        (["--distill_warmup_steps", "-1"], "--distill_warmup_steps -1 must be >= 0 (0: stage (c) starts at its"),
+        (
+            ["--distill_tokens", "1024", "--distill_warmup_steps", "9"],
+            "--distill_warmup_steps 9 is more than stage (c)'s 8 steps (--distill_tokens 1024 / (--distill_batch_size "
+            "4 x 32-token blocks)): the peak would never be reached; give at most 8, e.g. 1 (an eighth of them).",
+        ),
         (["--distill_hidden_weight", "nan"], "--distill_hidden_weight nan must be a finite number >= 0"),
         (["--distill_hidden_weight", "-0.5"], "--distill_hidden_weight -0.5 must be a finite number >= 0"),
         (

@@ -254,7 +254,8 @@ def check_disk_space(
 # dataclass field <- command flag, for each stage's settings
 TRANSFER_FLAGS = {"ridge": "ridge", "steps": "transfer_steps", "batch_size": "transfer_batch_size", "seed": "seed"}
 TRANSFER_FLAGS |= {"learning_rate": "transfer_learning_rate", "eval_steps": "transfer_eval_steps"}
-DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_rate", "temperature", "lm_weight")}
+DISTILL_FLAGS = {f: f"distill_{f}" for f in ("tokens", "batch_size", "learning_rate", "warmup_steps", "temperature")}
+DISTILL_FLAGS |= {"lm_weight": "distill_lm_weight"}
 DISTILL_FLAGS |= {"hidden_weight": "distill_hidden_weight", "bf16": "distill_bf16"}
 DISTILL_FLAGS |= {"block_size": "calibration_block_size", "seed": "seed"}
 DISTILL_FLAGS |= {"centre_output_projections": "distill_centre_output_projections"}
