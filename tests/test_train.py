@@ -604,9 +604,11 @@ def test_distill_settings_reach_the_training_run(tmp_path):
     relative = DistillSettings(tokens=5000, relative_learning_rates=True)
     assert distill_arguments("s", "t", "a", "b", str(tmp_path), relative).train.relative_learning_rates is True
     assert args.train.relative_learning_rates is False
-    warm = DistillSettings(tokens=5000, warmup_steps=7)
-    assert distill_arguments("s", "t", "a", "b", str(tmp_path), warm).train.warmup_steps == 7
+    warm = DistillSettings(tokens=5000, warmup_steps=3)  # 3 steps of 4 x 512 tokens
+    assert distill_arguments("s", "t", "a", "b", str(tmp_path), warm).train.warmup_steps == 3
     assert args.train.warmup_steps == 2
+    short = DistillSettings(tokens=1000)  # one step: the default warmup is cut to it (the step at the peak)
+    assert distill_arguments("s", "t", "a", "b", str(tmp_path), short).train.warmup_steps == 1
 
 
 def test_relative_lr_scales_are_rms_over_the_median_matrix_rms_clamped():
