@@ -57,7 +57,7 @@ import knowledge_data as data  # noqa: E402
 from convert_knowledge import DOMAINS, source_dir  # noqa: E402
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
-from qkvshare_settings.convert import BUDGET_CHOICES  # noqa: E402
+from qkvshare_settings.convert import BUDGET_CHOICES, TRANSFER_DEFAULTS  # noqa: E402
 
 ROWS = ("calibrated", "ab", "budgets", "abc", "budgets-abc", "recipe")
 
@@ -74,7 +74,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--calibration_tokens", type=int, default=32768)
     p.add_argument("--validation_tokens", type=int, default=4096)
     p.add_argument("--transfer_steps", type=int, default=300)
-    p.add_argument("--distill_tokens", type=int, default=262144)
+    p.add_argument(
+        "--distill_tokens",
+        type=int,
+        default=TRANSFER_DEFAULTS["distill_tokens"],
+        help="stage (c)'s tokens (rows '-dNk' where not the command's default)",
+    )
     p.add_argument(
         "--distill_learning_rate", type=float, default=None, help="stage (c)'s peak (default: the command's)"
     )
@@ -155,14 +160,16 @@ class Maker:
 
     def label(self, row: str, budget: float | None, distilled: bool = False) -> str:
         """`row` with what sets it apart from the defaults: `--tag`, "-by-error" (a budget ranked by stage (b)'s
-        errors), "-attn" (stage (c) trained the attention only), "-lrX", "-wuN", "-hidW", "-bf16", "-centred" and
-        "-rel" (stage (c)'s peak, warmup steps, hidden-state loss weight, precision, centred output projections and
-        relative learning rates)."""
+        errors), "-attn" (stage (c) trained the attention only), "-dNk", "-lrX", "-wuN", "-hidW", "-bf16", "-centred"
+        and "-rel" (stage (c)'s tokens, peak, warmup steps, hidden-state loss weight, precision, centred output
+        projections and relative learning rates)."""
         row += self.tag
         if budget is not None and self.args.budget_choice != "kl":
             row += f"-by-{self.args.budget_choice}"
         if distilled and (modules := self.trained_modules(budget)):
             row += "-" + "-".join(m.replace("self_", "") for m in modules)
+        if distilled and self.args.distill_tokens != TRANSFER_DEFAULTS["distill_tokens"]:
+            row += f"-d{self.args.distill_tokens / 1024:g}k"
         if distilled and self.args.distill_learning_rate is not None:
             row += f"-lr{self.args.distill_learning_rate:g}"
         if distilled and self.args.distill_warmup_steps is not None:
