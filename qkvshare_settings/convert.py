@@ -111,6 +111,7 @@ from typing import Any
 
 from .conventions import DTYPE_NAMES, HelpFormatter, add_dtype_argument
 from .overrides import parse_overrides
+from .train import DistillSettings
 
 KV_METHODS = ("key", "value", "calibrated", "transfer")
 # Layers whose query is another projection's output (Q=K: k_proj): that projection keeps its own source weight (the
@@ -523,9 +524,11 @@ def check_transfer_args(args: ConvertArgs) -> None:
         raise ValueError(
             f"--distill_warmup_steps {args.distill_warmup_steps} must be >= 0 (0: stage (c) starts at its peak)."
         )
-    steps = math.ceil(args.distill_tokens / (args.distill_batch_size * args.calibration_block_size))
-    # the warmup's last step is at the peak; a default longer than a short run's steps is its old behaviour, allowed
-    if args.distill_warmup_steps > max(steps, TRANSFER_DEFAULTS["distill_warmup_steps"]):
+    steps = DistillSettings(
+        tokens=args.distill_tokens, batch_size=args.distill_batch_size, block_size=args.calibration_block_size
+    ).steps
+    # the warmup's last step is at the peak; a default longer than a short run's steps is cut by the run, as before
+    if args.distill_tokens and args.distill_warmup_steps > max(steps, TRANSFER_DEFAULTS["distill_warmup_steps"]):
         raise ValueError(
             f"--distill_warmup_steps {args.distill_warmup_steps} is more than stage (c)'s {steps} steps "
             f"(--distill_tokens {args.distill_tokens} / (--distill_batch_size {args.distill_batch_size} x "
