@@ -136,7 +136,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def slug(text: str) -> str:
-    return text.replace("+", "-")
+    return text.replace("+", "-").replace(":", "x")
 
 
 class Maker:

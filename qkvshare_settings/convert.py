@@ -74,7 +74,8 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     layer alone tied, `error` by the layer's own error after stage (b). Stage (c) then distils that model. The
     record names the tied layers, each layer's score and the exact bytes per token.
 
-Calibration text (`--calibration_text`, a `+`-joined mix of sources, each an equal share of the characters):
+Calibration text (`--calibration_text`, a `+`-joined mix of sources, each an equal share of the characters unless
+    it is given a weight after a colon: `self+stdlib:2` reads twice as many characters of `stdlib` as of `self`):
     `self`: text the source model writes itself (`qkvshare.convert.self_text`: its answers, through its chat
     template, to a built-in list of everyday, science, history, writing and code instructions, and LLM-QAT-style
     continuations; generated once, cached and resumable in the work folder or `--self_text_dir`), so the stages fit
@@ -332,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--calibration_text",
         default=None,
-        help=f"the text the stages fit and distil on: '+'-joined sources, equal shares: {', '.join(TEXT_SOURCES)} "
+        help=f"the text the stages fit and distil on: '+'-joined sources, equal shares unless weighted as "
+        f"name:weight (self+stdlib:2): {', '.join(TEXT_SOURCES)} "
         f"(default: file when --calibration_file/--calibration_dataset is given, else "
         f"{DEFAULT_CALIBRATION_TEXT['transfer']} for transfer and {DEFAULT_ONE_SHOT_TEXT} for the other methods)",
     )
@@ -449,19 +451,43 @@ def parse_args(argv: list[str] | None) -> ConvertArgs:
 
 
 def text_sources(args: ConvertArgs) -> list[str]:
-    """The sources of `--calibration_text`, in the order given (e.g. "self+stdlib" -> ["self", "stdlib"])."""
-    return [part.strip() for part in args.calibration_text.split("+")]
+    """The sources of `--calibration_text`, in the order given (e.g. "self+stdlib:2" -> ["self", "stdlib"])."""
+    return list(text_shares(args))
+
+
+def text_shares(args: ConvertArgs) -> dict[str, float]:
+    """Each source of `--calibration_text` with its share of the characters, in the order given: a source's weight
+    (`name:weight`, 1 when not given) over the sum of the weights ("self+stdlib:2" -> self 1/3, stdlib 2/3). A
+    `ValueError` names a weight that is not a positive number."""
+    weights: dict[str, float] = {}
+    for part in args.calibration_text.split("+"):
+        name, _, weight = part.strip().partition(":")
+        name = name.strip()
+        try:
+            value = float(weight) if weight.strip() else 1.0
+        except ValueError:
+            value = math.nan
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(
+                f"--calibration_text {args.calibration_text!r}: the weight of {name or 'a source'} ({weight.strip()!r}) "
+                "is not a positive number; write a source's weight after a colon, e.g. self+stdlib:2."
+            )
+        weights[name] = value
+    total = sum(weights.values())
+    return {name: weight / total for name, weight in weights.items()}
 
 
 def check_calibration_text(args: ConvertArgs) -> None:
     """`--calibration_text` names known sources once each; `file` exactly when a file or dataset is given."""
-    sources = text_sources(args)
-    unknown = [s for s in sources if s not in TEXT_SOURCES]
-    if unknown or len(set(sources)) != len(sources) or not sources:
+    names = [part.strip().partition(":")[0].strip() for part in args.calibration_text.split("+")]
+    unknown = [s for s in names if s not in TEXT_SOURCES]
+    if unknown or len(set(names)) != len(names) or not names:
         raise ValueError(
             f"--calibration_text {args.calibration_text!r}: give one or more of {', '.join(TEXT_SOURCES)}, joined by "
-            "'+' and each once (e.g. self, self+stdlib, self+file)."
+            "'+' and each once, with a weight after a colon where a source should have more than an equal share "
+            "(e.g. self, self+stdlib, self+file, self+stdlib:2)."
         )
+    sources = list(text_shares(args))
     given = args.calibration_file is not None or args.calibration_dataset is not None
     if ("file" in sources) != given:
         raise ValueError(

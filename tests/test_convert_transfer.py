@@ -896,6 +896,13 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
             "--distill_hidden_weight 1.0 set(s) a stage of --method transfer, but the method is key",
         ),
         (["--validation_tokens", "0"], "--validation_tokens 0 must be at least 1"),
+        (
+            ["--calibration_text", "stdlib+file:0"],
+            "--calibration_text 'stdlib+file:0': the weight of file ('0') is not a positive number; write a source's "
+            "weight after a colon, e.g. self+stdlib:2.",
+        ),
+        (["--calibration_text", "stdlib:two+file"], "the weight of stdlib ('two') is not a positive number"),
+        (["--calibration_text", "file:2+file"], "joined by '+' and each once, with a weight after a colon"),
         (["--budget_choice", "size"], "argument --budget_choice: invalid choice: 'size'"),
         (["--method", "key", "--budget_choice", "error"], "--budget_choice error set(s) a stage of --method transfer"),
         (["--budget_choice", "error"], "--budget_choice error ranks the layers --cache_budget ties, but no"),
@@ -1221,6 +1228,40 @@ def test_self_text_share_covers_what_every_stage_reads(tmp_path):
     expected = math.ceil((1000 + one_shot.validation_tokens) * 0.5 * SELF_TEXT_MARGIN)
     assert one_shot.distill_tokens > 0 and self_text_tokens(one_shot) == expected
     assert self_text_tokens(args(method="transfer", self_text_tokens=77)) == 77
+    weighted = ConvertArgs(
+        str(tmp_path), str(tmp_path / "out"), "Q-K=V", calibration_text="self+stdlib:3", method="transfer",
+        calibration_tokens=1000, validation_tokens=200, distill_tokens=8000,
+    )  # fmt: skip
+    assert self_text_tokens(weighted) == math.ceil(9200 * 0.25 * SELF_TEXT_MARGIN)  # a quarter of what they read
+
+
+def test_weighted_calibration_text_gives_each_source_its_share_of_the_characters(tmp_path):
+    """`--calibration_text stdlib+file:3`: a quarter of every split's characters from the embedded text and three
+    quarters from the user's file, in the order given; unweighted sources stay equal shares."""
+    from qkvshare.convert.data import documents as stdlib_documents
+    from qkvshare.convert.text import read_calibration_text
+    from qkvshare_settings.convert import ConvertArgs, text_shares, text_sources
+
+    corpus = tmp_path / "user.txt"
+    corpus.write_text("".join(f"Paragraph {i}: the user's own words, line after line.\n" * 40 for i in range(300)))
+
+    def args(mix: str) -> ConvertArgs:
+        return ConvertArgs(str(tmp_path), str(tmp_path / "out"), "Q-K=V", calibration_text=mix,
+                           calibration_file=str(corpus), method="transfer")  # fmt: skip
+
+    assert text_shares(args("stdlib+file")) == {"stdlib": 0.5, "file": 0.5}
+    assert text_shares(args("stdlib+file:3")) == {"stdlib": 0.25, "file": 0.75}
+    assert text_shares(args(" file:1.5 + stdlib:0.5 ")) == {"file": 0.75, "stdlib": 0.25}
+    assert text_sources(args("file:1.5+stdlib:0.5")) == ["file", "stdlib"]
+    stdlib = set(itertools.islice(stdlib_documents("mixed", "train", 0), 400))
+    for mix, expected in (("stdlib+file", 0.5), ("stdlib+file:3", 0.25)):
+        text = read_calibration_text(args(mix))
+        pieces = list(itertools.islice(text.documents("train"), 80))
+        from_stdlib = sum(len(d) for d in pieces if d in stdlib)
+        assert abs(from_stdlib / sum(map(len, pieces)) - expected) < 0.03, (mix, from_stdlib)
+    described = read_calibration_text(args("stdlib+file:3")).describe("train")
+    assert described.startswith("25% ") and "; 75% " in described
+    assert read_calibration_text(args("stdlib+file")).describe("train").startswith("equal shares of 2 sources: ")
 
 
 def test_centred_output_projection_steps_are_adamw_on_the_centred_parameters():

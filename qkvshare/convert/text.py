@@ -1,7 +1,7 @@
 """The text a conversion fits, validates and distils on: the mix `--calibration_text` names, by split.
 
-Sources (`qkvshare_settings.convert.TEXT_SOURCES`), each an equal share of the characters of every split
-(`data.interleave`):
+Sources (`qkvshare_settings.convert.TEXT_SOURCES`), each an equal share of the characters of every split unless
+weighted (`self+stdlib:2`: a third and two thirds; `data.interleave`):
 - `self`: text the source model writes itself (`self_text`): generated once the source is loaded, kept in
   `--self_text_dir` or the conversion's work folder, so a killed conversion resumes it and a later one reuses it;
 - `stdlib`: the Python standard library's prose and code (`data`), train and validation splits (its test split is
@@ -30,7 +30,7 @@ from qkvshare.convert.self_text import (
     room_for_new_tokens,
 )
 from qkvshare.runtime import native_bf16
-from qkvshare_settings.convert import ConvertArgs, text_sources
+from qkvshare_settings.convert import ConvertArgs, text_shares
 
 SPLITS = ("train", "validation")
 # The self text holds more than its share of the stages' tokens: documents are cut where the blocks end, and chat
@@ -43,12 +43,16 @@ MIN_NEW_TOKENS = 16  # the shortest samples worth writing (a source with fewer p
 class CalibrationText:
     """The documents of each split of a mix of sources, and what they are (the record's `calibration_source`)."""
 
-    sources: list[str]  # in the order of --calibration_text
+    shares: dict[str, float]  # each source's share of the characters, in the order of --calibration_text
     seed: int
     file: str | None = None
     dataset: str | None = None
     self_text: SelfText | None = None  # once `add_self_text` has run
     _described: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sources(self) -> list[str]:
+        return list(self.shares)
 
     def _side(self, name: str, split: str) -> Iterable[str]:
         if name == "self":
@@ -64,8 +68,7 @@ class CalibrationText:
         """The documents of `split` ("train" to fit and distil, "validation" to measure), sources interleaved."""
         if split not in SPLITS:
             raise ValueError(f"split={split!r}: the calibration text has the splits {', '.join(SPLITS)}.")
-        share = 1.0 / len(self.sources)
-        return data.interleave({n: self._side(n, split) for n in self.sources}, dict.fromkeys(self.sources, share))
+        return data.interleave({n: self._side(n, split) for n in self.shares}, self.shares)
 
     def describe(self, split: str) -> str:
         """What the text of `split` is, source by source."""
@@ -77,14 +80,17 @@ class CalibrationText:
                 parts.append(data.describe(split, self.seed))
             else:
                 parts.append(calibration_texts(self.file, self.seed, split, self.dataset)[1])
-        shares = "" if len(parts) == 1 else f"equal shares of {len(parts)} sources: "
-        return shares + "; ".join(parts)
+        if len(parts) == 1:
+            return parts[0]
+        if len(set(self.shares.values())) == 1:
+            return f"equal shares of {len(parts)} sources: " + "; ".join(parts)
+        return "; ".join(f"{share:.0%} {part}" for share, part in zip(self.shares.values(), parts, strict=True))
 
 
 def read_calibration_text(args: ConvertArgs) -> CalibrationText:
     """The mix of `args.calibration_text`, with a user's file or dataset checked now (a `ValueError` naming it);
     `self` is added by `add_self_text` once the source is loaded."""
-    text = CalibrationText(text_sources(args), args.seed, args.calibration_file, args.calibration_dataset)
+    text = CalibrationText(text_shares(args), args.seed, args.calibration_file, args.calibration_dataset)
     if "file" in text.sources:
         calibration_texts(args.calibration_file, args.seed, "train", args.calibration_dataset)  # checks the file
     return text
@@ -138,8 +144,7 @@ def self_text_tokens(args: ConvertArgs) -> int:
     read = args.calibration_tokens + args.validation_tokens
     if args.method == "transfer":
         read += args.distill_tokens
-    share = 1.0 / len(text_sources(args))
-    return math.ceil(read * share * SELF_TEXT_MARGIN)
+    return math.ceil(read * text_shares(args).get("self", 0.0) * SELF_TEXT_MARGIN)
 
 
 def add_self_text(text: CalibrationText, args: ConvertArgs, model: Any, tokenizer: Any, folder: Path) -> None:
