@@ -87,7 +87,7 @@ def distill_argv(converted: Path, source_dir: Path, corpus: Path, out: Path, ste
     ]
 
 
-def test_distillation_from_a_teacher_lowers_the_kl(source_dir, corpus, tmp_path):
+def test_distillation_from_a_teacher_lowers_the_kl(source_dir, corpus, tmp_path, capsys):
     source = LlamaForCausalLM.from_pretrained(source_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(source_dir)
     model, record = convert(source, "Q-K=V", "key")
@@ -102,6 +102,14 @@ def test_distillation_from_a_teacher_lowers_the_kl(source_dir, corpus, tmp_path)
     assert after < 0.7 * before, (before, after)
     metrics = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
     assert 0 < metrics["val_kl"] < before
+    # The cache is compared with the teacher's (GQA), not with MHA of the same shape: every layer tied halves it.
+    c = source.config
+    teacher_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    assert (
+        c.num_key_value_heads < c.num_attention_heads and metrics["teacher_kv_cache_bytes_per_token"] == teacher_bytes
+    )
+    assert metrics["kv_cache_bytes_per_token"] * 2 == teacher_bytes
+    assert f"vs {teacher_bytes:,} bytes for the teacher (50.0% smaller)" in capsys.readouterr().out
 
 
 def test_distillation_in_micro_batches_with_the_teacher_in_memory_matches_the_whole_batch(

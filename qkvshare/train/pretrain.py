@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from qkvshare import QKVShareConfig, QKVShareForCausalLM
+from qkvshare.configuration_qkvshare import kv_cache_bytes_per_token
 from qkvshare.model_dir import check_weights_fit_config, load_source
 from qkvshare_settings.conventions import CommandStopped
 from qkvshare_settings.train import Arguments, TrainingSetupError, check_args
@@ -1021,6 +1022,8 @@ def _train(run: Run, on_step: Callable[[int, float, Any], None] | None) -> dict[
         "kv_cache_bytes_per_token": run.config.kv_cache_bytes_per_token(),
         "qkv_kv_cache_bytes_per_token": run.config.qkv_cache_bytes_per_token(),
     }
+    if run.teacher is not None:  # the model it replaces (a converted model's source: GQA, not the MHA reference)
+        result["teacher_kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(run.teacher.config)
     save_final_model(run, result)
     acc.end_training()
     return result
@@ -1123,13 +1126,17 @@ def _print_header(run: Run) -> None:
 
 
 def _print_summary(result: dict[str, Any], out: Path) -> None:
-    kv, qkv = result["kv_cache_bytes_per_token"], result["qkv_kv_cache_bytes_per_token"]
+    kv = result["kv_cache_bytes_per_token"]
+    # Against the teacher where there is one (a converted GQA model's source caches fewer heads than QKV of its shape).
+    reference, what = result.get("teacher_kv_cache_bytes_per_token"), "the teacher"
+    if reference is None:
+        reference, what = result["qkv_kv_cache_bytes_per_token"], "QKV of the same shape"
     lines = [
         f"validation perplexity: {result['val_perplexity']:.2f} (loss {result['val_loss']:.4f} over "
         f"{result['val_tokens']:,} tokens)"
         + (f", KL to the teacher {result['val_kl']:.4f} per token" if result.get("val_kl") is not None else ""),
-        f"KV cache per token (16-bit): {kv:,} bytes for {result['variant']} vs {qkv:,} bytes for QKV of the same shape "
-        f"({100 * (1 - kv / qkv):.1f}% smaller)",
+        f"KV cache per token (16-bit): {kv:,} bytes for {result['variant']} vs {reference:,} bytes for {what} "
+        f"({100 * (1 - kv / reference):.1f}% smaller)",
     ]
     if "sample" in result:
         lines.append(f"sample:\n{result['sample']}")
