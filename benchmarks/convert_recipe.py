@@ -12,7 +12,8 @@ comes from `--source` (smollm2, qwen or a directory; convert_knowledge.py's `sou
 PyPI wheels at run time (benchmarks/knowledge_data.py), the source's own text is written once into OUT/self-text
 and shared by every row.
 
-Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT):
+Rows (`--rows`; each text mix of `--texts` for the rows marked TEXT, weighted mixes such as `self+stdlib:2` labelled
+"self-stdlibx2"):
 - `calibrated`: the one-shot `--method calibrated` (Q-K=V, pre-RoPE, the embedded stdlib text);
 - `ab` (TEXT): Q-K=V after stages (a) and (b), every layer tied;
 - `budgets` (TEXT): the same stages under `--budgets` (the layers `--budget_choice` ranks first tied: `kl`, the
