@@ -450,27 +450,27 @@ def parse_args(argv: list[str] | None) -> ConvertArgs:
     return ConvertArgs(**namespace)
 
 
-def text_sources(args: ConvertArgs) -> list[str]:
-    """The sources of `--calibration_text`, in the order given (e.g. "self+stdlib:2" -> ["self", "stdlib"])."""
-    return list(text_shares(args))
-
-
 def text_shares(args: ConvertArgs) -> dict[str, float]:
     """Each source of `--calibration_text` with its share of the characters, in the order given: a source's weight
     (`name:weight`, 1 when not given) over the sum of the weights ("self+stdlib:2" -> self 1/3, stdlib 2/3). A
-    `ValueError` names a weight that is not a positive number."""
+    `ValueError` names a source that is unknown or given twice, or a weight that is not a positive number."""
     weights: dict[str, float] = {}
     for part in args.calibration_text.split("+"):
-        name, _, weight = part.strip().partition(":")
-        name = name.strip()
+        name, _, weight = (piece.strip() for piece in part.partition(":"))
+        if name not in TEXT_SOURCES or name in weights:
+            raise ValueError(
+                f"--calibration_text {args.calibration_text!r}: give one or more of {', '.join(TEXT_SOURCES)}, joined "
+                "by '+' and each once, with a weight after a colon where a source should have more than an equal "
+                "share (e.g. self, self+stdlib, self+file, self+stdlib:2)."
+            )
         try:
-            value = float(weight) if weight.strip() else 1.0
+            value = float(weight) if weight else 1.0
         except ValueError:
             value = math.nan
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(
-                f"--calibration_text {args.calibration_text!r}: the weight of {name or 'a source'} ({weight.strip()!r}) "
-                "is not a positive number; write a source's weight after a colon, e.g. self+stdlib:2."
+                f"--calibration_text {args.calibration_text!r}: the weight of {name} ({weight!r}) is not a positive "
+                "number; write a source's weight after a colon, e.g. self+stdlib:2."
             )
         weights[name] = value
     total = sum(weights.values())
@@ -478,15 +478,8 @@ def text_shares(args: ConvertArgs) -> dict[str, float]:
 
 
 def check_calibration_text(args: ConvertArgs) -> None:
-    """`--calibration_text` names known sources once each; `file` exactly when a file or dataset is given."""
-    names = [part.strip().partition(":")[0].strip() for part in args.calibration_text.split("+")]
-    unknown = [s for s in names if s not in TEXT_SOURCES]
-    if unknown or len(set(names)) != len(names) or not names:
-        raise ValueError(
-            f"--calibration_text {args.calibration_text!r}: give one or more of {', '.join(TEXT_SOURCES)}, joined by "
-            "'+' and each once, with a weight after a colon where a source should have more than an equal share "
-            "(e.g. self, self+stdlib, self+file, self+stdlib:2)."
-        )
+    """`--calibration_text` names known sources once each, with positive weights (`text_shares`); `file` exactly
+    when a file or dataset is given."""
     sources = list(text_shares(args))
     given = args.calibration_file is not None or args.calibration_dataset is not None
     if ("file" in sources) != given:

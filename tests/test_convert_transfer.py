@@ -911,6 +911,7 @@ def test_cli_transfer_killed_midway_continues_to_the_same_model(source_dir, corp
         ),
         (["--calibration_text", "stdlib:two+file"], "the weight of stdlib ('two') is not a positive number"),
         (["--calibration_text", "file:2+file"], "joined by '+' and each once, with a weight after a colon"),
+        (["--calibration_text", "stdlib+book"], "'stdlib+book': give one or more of self, stdlib, file, joined by"),
         (["--budget_choice", "size"], "argument --budget_choice: invalid choice: 'size'"),
         (["--method", "key", "--budget_choice", "error"], "--budget_choice error set(s) a stage of --method transfer"),
         (["--budget_choice", "error"], "--budget_choice error ranks the layers --cache_budget ties, but no"),
@@ -1248,7 +1249,7 @@ def test_weighted_calibration_text_gives_each_source_its_share_of_the_characters
     quarters from the user's file, in the order given; unweighted sources stay equal shares."""
     from qkvshare.convert.data import documents as stdlib_documents
     from qkvshare.convert.text import read_calibration_text
-    from qkvshare_settings.convert import ConvertArgs, text_shares, text_sources
+    from qkvshare_settings.convert import ConvertArgs, text_shares
 
     corpus = tmp_path / "user.txt"
     corpus.write_text("".join(f"Paragraph {i}: the user's own words, line after line.\n" * 40 for i in range(300)))
@@ -1260,7 +1261,7 @@ def test_weighted_calibration_text_gives_each_source_its_share_of_the_characters
     assert text_shares(args("stdlib+file")) == {"stdlib": 0.5, "file": 0.5}
     assert text_shares(args("stdlib+file:3")) == {"stdlib": 0.25, "file": 0.75}
     assert text_shares(args(" file:1.5 + stdlib:0.5 ")) == {"file": 0.75, "stdlib": 0.25}
-    assert text_sources(args("file:1.5+stdlib:0.5")) == ["file", "stdlib"]
+    assert list(text_shares(args("file:1.5+stdlib:0.5"))) == ["file", "stdlib"]
     stdlib = set(itertools.islice(stdlib_documents("mixed", "train", 0), 400))
     for mix, expected in (("stdlib+file", 0.5), ("stdlib+file:3", 0.25)):
         text = read_calibration_text(args(mix))
