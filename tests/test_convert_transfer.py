@@ -1160,7 +1160,7 @@ def test_greedy_pick_ties_the_candidate_of_lowest_set_kl(tmp_path, monkeypatch):
     monkeypatch.setattr(conversion, "score_blocks", score)
     files, steps = StageFiles(tmp_path), []
     pick = lambda tied, candidates: conversion.greedy_pick(  # noqa: E731
-        lambda choice: choice, config, [0.5, 0.1, 0.4, 0.2, 0.3], None, None, files, steps, tied, candidates
+        lambda choice: choice, config, [0.5, 0.1, 0.4, 0.2, 0.3], None, None, files, steps, False, tied, candidates
     )
     assert pick([1], [3, 4, 2]) == 4 and measured == [(1, 3), (1, 4), (1, 2)]
     assert steps == [{"tied": [1], "kl_with": {"3": 0.3, "4": 0.2, "2": 0.25}, "chosen": 4}]

@@ -324,7 +324,9 @@ def _transfer(
             chosen_by = "lowest kl_to_source with the layer alone tied"
             if budget_choice == "greedy":
                 steps = []
-                pick = partial(greedy_pick, build, model.config, scores, validation_ids, reference, files, steps)
+                pick = partial(
+                    greedy_pick, build, model.config, scores, validation_ids, reference, files, steps, progress
+                )
                 chosen_by = (
                     f"one at a time, of the {GREEDY_WIDTH} lowest kl_to_source with the layer alone tied not yet "
                     "tied, the lowest kl_to_source with it and the layers before it tied"
@@ -422,6 +424,7 @@ def greedy_pick(
     reference: torch.Tensor,
     files: StageFiles,
     steps: list[dict[str, Any]],
+    progress: bool,
     tied: list[int],
     candidates: list[int],
 ) -> int:
@@ -432,7 +435,8 @@ def greedy_pick(
     record = files.load_errors()
     saved = record.setdefault("layer_set_kl", {})
     kls = {}
-    for i in candidates:
+    label = f"greedy: layer {len(tied) + 1}"
+    for i in tqdm(candidates, desc=label, disable=not progress or not tied, leave=False):
         key = ",".join(str(j) for j in sorted([*tied, i]))
         if not tied:
             kls[i] = scores[i]
