@@ -71,9 +71,7 @@ K=V ("kv" Q-K=V, "qkv" Q=K=V): `--method`
     the source's KV-cache bytes per token by tying only the layers that cost least and keeping the others exactly
     as the source has them (`layer_projection_sharing`; each tied layer halves its bytes). `--budget_choice kl`
     (the default) ranks a layer by the whole model's KL divergence to the source on the validation tokens with that
-    layer alone tied, `greedy` ties one layer at a time, each of the 4 next by that KL the one whose tying costs the
-    least KL with the layers already chosen tied (tied layers interact; about 4 more measures of the whole model per
-    tied layer), `error` by the layer's own error after stage (b). Stage (c) then distils that model. The
+    layer alone tied, `error` by the layer's own error after stage (b). Stage (c) then distils that model. The
     record names the tied layers, each layer's score and the exact bytes per token.
 
 Calibration text (`--calibration_text`, a `+`-joined mix of sources, each an equal share of the characters unless
@@ -161,7 +159,7 @@ TRANSFER_DEFAULTS = {
     "cache_budget": None,
     "budget_choice": "kl",  # docs/results.md section 11.3: the layers whose KL is lowest keep more of the answers
 }
-BUDGET_CHOICES = ("kl", "greedy", "error")  # how --cache_budget ranks the layers (qkvshare.convert.budget)
+BUDGET_CHOICES = ("kl", "error")  # how --cache_budget ranks the layers (qkvshare.convert.budget)
 DEFAULT_BUDGET_CHOICE = TRANSFER_DEFAULTS["budget_choice"]
 CALIBRATIONS = ("sequential", "independent")
 TEXT_SOURCES = ("self", "stdlib", "file")  # --calibration_text: a "+"-joined mix of these
@@ -435,9 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget_choice",
         choices=BUDGET_CHOICES,
         default=t["budget_choice"],
-        help="--cache_budget ties the layers whose tying alone costs the least KL to the source (kl), one at a time "
-        "the one of the next 4 that costs least with those before it tied (greedy), or whose stage (b) error is "
-        "lowest (error)",
+        help="--cache_budget ties the layers whose tying alone costs the least KL to the source (kl), or whose "
+        "stage (b) error is lowest (error)",
     )
     p.add_argument("--seed", type=int, default=0, help="order of the calibration text, stage (b)'s batches")
     add_dtype_argument(p, "float32", "dtype of the saved weights (conversion runs in float32)")

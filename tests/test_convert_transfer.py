@@ -1069,103 +1069,12 @@ def test_budget_by_kl_ties_the_layer_whose_tying_alone_costs_least(source_dir, c
     errors = error_record.layer_errors["transfer"]
     assert error_record.cache_budget["tied_layers"] == [min(range(3), key=lambda i: errors[i])]
     assert error_record.cache_budget["chosen_by"] == "lowest layer_errors['transfer']"
-    with pytest.raises(ValueError, match="budget_choice='size' is not a choice; use one of kl, greedy, error"):
+    with pytest.raises(ValueError, match="budget_choice='size' is not a choice; use one of kl, error"):
         convert(source, "Q-K=V", "transfer", **common, budget_choice="size")
     from qkvshare_settings.convert import ConvertArgs
 
-    with pytest.raises(ValueError, match="--budget_choice 'size' is not one of kl, greedy, error"):
+    with pytest.raises(ValueError, match="--budget_choice 'size' is not one of kl, error"):
         ConvertArgs(str(source_dir), "unused-out", "Q-K=V", method="transfer", budget_choice="size")
-
-
-def test_budget_by_greedy_ties_one_layer_at_a_time_measured_with_those_before(tmp_path, monkeypatch):
-    """The `greedy` choice starts from the layer of lowest alone-tied KL, then ties, of the next GREEDY_WIDTH by that
-    KL, the one whose tying with the layers already chosen leaves the whole model's KL lowest (each set's KL
-    measured here independently); its model is exactly the mixed model of the chosen layers, and a rerun in the
-    same work folder reuses every measure without building a model."""
-    import qkvshare.convert.conversion as conversion
-    from qkvshare.convert.budget import tie_layers
-    from qkvshare.convert.conversion import GREEDY_WIDTH, mixed_model
-
-    source = llama(layers=6).eval()
-    validation = blocks(4, seed=2)
-    settings = replace(SETTINGS, steps=4)
-    common = dict(calibration_ids=blocks(12), validation_ids=validation, transfer=settings, cache_budget=0.75)
-    model, record = convert(source, "Q-K=V", "transfer", **common, budget_choice="greedy", work_dir=tmp_path / "w")
-    full, _ = convert(source, "Q-K=V", "transfer", **(common | {"cache_budget": None}))
-    budget, scores = record.cache_budget, record.cache_budget["layer_scores"]
-    steps = budget["greedy_steps"]
-    assert len(steps) == 3 and budget["kv_bytes_per_token"] == 9 * budget["source_kv_bytes_per_token"] // 12
-    order = sorted(range(6), key=lambda i: scores[i])
-    assert steps[0] == {"tied": [], "kl_with": {str(i): scores[i] for i in order[:4]}, "chosen": order[0]}
-    chosen = [order[0]]
-    for step in steps[1:]:
-        assert step["tied"] == sorted(chosen)
-        candidates = [i for i in order if i not in chosen][:GREEDY_WIDTH]
-        assert [int(i) for i in step["kl_with"]] == candidates
-        for i in candidates:  # each candidate's KL: the mixed model with it and the layers before it tied
-            mixed = mixed_model(
-                source, full, tie_layers(full.config, [*chosen, i]), variant="Q-K=V", query_method=None, overrides={}
-            )
-            kl = mean_kl(source, mixed, validation[:, :-1])
-            assert math.isclose(step["kl_with"][str(i)], kl, rel_tol=1e-5), (step, i, kl)
-        assert step["chosen"] == min(candidates, key=lambda i: step["kl_with"][str(i)])
-        chosen.append(step["chosen"])
-    assert budget["tied_layers"] == sorted(chosen) and budget["chosen_by"].startswith("one at a time, of the 4")
-    expected = mixed_model(
-        source, full, tie_layers(full.config, chosen), variant="Q-K=V", query_method=None, overrides={}
-    )
-    assert torch.equal(model(validation).logits, expected(validation).logits)
-    assert math.isclose(record.stages["cache_budget"]["kl_to_source"], steps[-1]["kl_with"][str(chosen[-1])])
-    built = []
-    monkeypatch.setattr(conversion, "tie_layers", lambda *a, **k: built.append(a) or tie_layers(*a, **k))
-    _, again = convert(source, "Q-K=V", "transfer", **common, budget_choice="greedy", work_dir=tmp_path / "w")
-    assert built == [] and again.cache_budget["greedy_steps"] == steps
-
-
-def test_budget_pick_chooses_among_the_next_lowest_scores():
-    from qkvshare import QKVShareConfig
-    from qkvshare.convert.budget import choose_tied_layers
-
-    config = QKVShareConfig.from_llama(llama(2, layers=5).config, "Q-K=V")
-    scores = [0.5, 0.1, 0.4, 0.2, 0.3]
-    seen = []
-
-    def last(tied, candidates):  # always the highest-scored candidate offered
-        seen.append((tied, candidates))
-        return candidates[-1]
-
-    choice = choose_tied_layers(config, scores, 0.7, last, width=3)
-    assert seen == [([], [1, 3, 4]), ([4], [1, 3, 2]), ([4, 2], [1, 3, 0])]
-    assert choice.tied_layers == [0, 2, 4]
-    assert choose_tied_layers(config, scores, 0.7, last, width=1).tied_layers == [1, 3, 4]  # one candidate: no pick
-    assert len(seen) == 3
-
-
-def test_greedy_pick_ties_the_candidate_of_lowest_set_kl(tmp_path, monkeypatch):
-    """Not the first candidate but the one whose set measures lowest; each set measured once and saved."""
-    from types import SimpleNamespace
-
-    import qkvshare.convert.conversion as conversion
-    from qkvshare import QKVShareConfig
-    from qkvshare.convert.transfer import StageFiles
-
-    config = QKVShareConfig.from_llama(llama(2, layers=5).config, "Q-K=V")
-    set_kl = {(1, 3): 0.3, (1, 4): 0.2, (1, 2): 0.25}
-    measured = []
-
-    def score(choice, *args, **kwargs):
-        measured.append(tuple(choice.tied_layers))
-        return SimpleNamespace(kl=set_kl[tuple(choice.tied_layers)])
-
-    monkeypatch.setattr(conversion, "score_blocks", score)
-    files, steps = StageFiles(tmp_path), []
-    pick = lambda tied, candidates: conversion.greedy_pick(  # noqa: E731
-        lambda choice: choice, config, [0.5, 0.1, 0.4, 0.2, 0.3], None, None, files, steps, False, tied, candidates
-    )
-    assert pick([1], [3, 4, 2]) == 4 and measured == [(1, 3), (1, 4), (1, 2)]
-    assert steps == [{"tied": [1], "kl_with": {"3": 0.3, "4": 0.2, "2": 0.25}, "chosen": 4}]
-    assert pick([1], [3, 4, 2]) == 4 and len(measured) == 3  # saved in the work folder's record
-    assert files.load_errors()["layer_set_kl"] == {"1,3": 0.3, "1,4": 0.2, "1,2": 0.25}
 
 
 def test_budget_ties_the_lowest_error_layers_until_the_bytes_fit():

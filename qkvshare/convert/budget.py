@@ -4,8 +4,7 @@ A tied layer caches one tensor instead of two, so with the source's key/value he
 its untied self. Given F, the fraction of the source's KV-cache bytes to keep, the conversion ties the layers
 that cost least (by default the whole model's KL divergence to the source with that layer alone tied, measured on
 the validation tokens; or stage (b)'s error of the layer, `budget_choice="error"`) until the bytes per token are at
-most F x the source's (`budget_choice="greedy"`: one layer at a time, each the one of the next few by that KL whose
-tying costs least with the layers already chosen tied, since tied layers interact), and keeps every other layer exactly as the source has it (`layer_projection_sharing`
+most F x the source's, and keeps every other layer exactly as the source has it (`layer_projection_sharing`
 mixes the modes per layer). F = 1 keeps the source; F = 0.5 ties every layer of a K=V variant.
 
 Only variants that keep the source's key/value heads take a budget: an untied layer of a pooled variant (Q-MQA)
@@ -14,7 +13,6 @@ would still be pooled, not the source's, and would need a conversion of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,30 +67,20 @@ def check_cache_budget(config: Any, method: str | None, source_kv_heads: int, bu
     return smallest
 
 
-def choose_tied_layers(
-    config: Any,
-    scores: list[float | None],
-    budget: float,
-    pick: Callable[[list[int], list[int]], int] | None = None,
-    width: int = 1,
-) -> BudgetChoice:
+def choose_tied_layers(config: Any, scores: list[float | None], budget: float) -> BudgetChoice:
     """Tie the layers of lowest score until the cache holds at most `budget` x the source's bytes per token.
 
     `config` is the fully converted config (every layer in its variant's mode), `scores` one measured cost of tying
     per layer (stage (b)'s error, or the whole model's KL with that layer alone tied; a layer without one is tied
-    last). Ties between equal scores go to the lower layer index. With `pick`, each next layer is
-    `pick(tied, candidates)` of the `width` lowest-scored layers not yet tied (the `greedy` choice: the candidate
-    whose tying costs least with `tied` already tied) instead of the lowest."""
+    last). Ties between equal scores go to the lower layer index."""
     count = config.num_hidden_layers
     untied, tied_bytes = kv_cache_bytes_per_layer(config, tied=False), kv_cache_bytes_per_layer(config)
     source_bytes = sum(untied)
     order = sorted(range(count), key=lambda i: (scores[i] is None, scores[i] if scores[i] is not None else 0.0, i))
     total, tied = source_bytes, []
-    while total > budget * source_bytes:
-        candidates = [i for i in order if i not in tied][:width]
-        if not candidates:  # every layer tied (check_cache_budget refuses a budget this cannot meet)
+    for i in order:
+        if total <= budget * source_bytes:
             break
-        i = pick(list(tied), candidates) if pick is not None and len(candidates) > 1 else candidates[0]
         total -= untied[i] - tied_bytes[i]
         tied.append(i)
     return tie_layers(config, tied, budget)

@@ -314,29 +314,17 @@ def _transfer(
     budget = None
     if cache_budget is not None:
         last = list(errors)[-1]  # the last stage run
-        pick, steps = None, None
         if every_layer_needed(model.config, layers, cache_budget) is not None:  # nothing to rank: no scan
             scores, chosen_by = [None] * model.config.num_hidden_layers, "the budget needs every layer"
-        elif budget_choice in ("kl", "greedy"):
+        elif budget_choice == "kl":
             build = partial(mixed_model, source, model, variant=variant, query_method=query_method, overrides=overrides)
             files = StageFiles(work_dir)
             scores = layer_kl_scores(build, model.config, layers, validation_ids, reference, files, progress)
             chosen_by = "lowest kl_to_source with the layer alone tied"
-            if budget_choice == "greedy":
-                steps = []
-                pick = partial(
-                    greedy_pick, build, model.config, scores, validation_ids, reference, files, steps, progress
-                )
-                chosen_by = (
-                    f"one at a time, of the {GREEDY_WIDTH} lowest kl_to_source with the layer alone tied not yet "
-                    "tied, the lowest kl_to_source with it and the layers before it tied"
-                )
         else:
             scores, chosen_by = errors[last], f"lowest layer_errors[{last!r}]"
-        current, choice = budget_model(source, model, scores, cache_budget, variant, query_method, overrides, pick)
+        current, choice = budget_model(source, model, scores, cache_budget, variant, query_method, overrides)
         budget = asdict(choice) | {"fraction": choice.fraction, "chosen_by": chosen_by, "layer_scores": scores}
-        if steps is not None:
-            budget["greedy_steps"] = steps
         result["stages"]["cache_budget"] = after_stage("cache_budget")
     errors["converted"] = measure_layer_errors(source, current, validation_ids)
     extra = {
@@ -356,12 +344,10 @@ def budget_model(
     variant: str | None,
     query_method: str | None,
     overrides: dict[str, Any],
-    pick: Callable[[list[int], list[int]], int] | None = None,
 ) -> tuple[QKVShareForCausalLM, BudgetChoice]:
     """`model` (every layer converted) with only the layers `choose_tied_layers` picks from `scores` for
-    `cache_budget` (with `pick`: one at a time among the next `GREEDY_WIDTH`) kept converted; every other layer is
-    the source's exact copy (`mixed_model`)."""
-    choice = choose_tied_layers(model.config, scores, cache_budget, pick, GREEDY_WIDTH)
+    `cache_budget` kept converted; every other layer is the source's exact copy (`mixed_model`)."""
+    choice = choose_tied_layers(model.config, scores, cache_budget)
     mixed = mixed_model(source, model, choice, variant=variant, query_method=query_method, overrides=overrides)
     return mixed, choice
 
@@ -411,42 +397,3 @@ def layer_kl_scores(
         del single
         files.save_errors(record)
     return [saved.get(str(i)) for i in range(config.num_hidden_layers)]
-
-
-GREEDY_WIDTH = 4  # candidates per greedy step: the next few by the alone-tied KL, where the scans' picks moved
-
-
-def greedy_pick(
-    build: Callable[[BudgetChoice], QKVShareForCausalLM],
-    config: QKVShareConfig,
-    scores: list[float | None],
-    validation_ids: torch.Tensor,
-    reference: torch.Tensor,
-    files: StageFiles,
-    steps: list[dict[str, Any]],
-    progress: bool,
-    tied: list[int],
-    candidates: list[int],
-) -> int:
-    """The `greedy` budget choice's next layer: of `candidates`, the one whose tying with `tied` already tied
-    leaves the whole model's KL to the source lowest (ties go to the earlier candidate). A set's KL is saved in the
-    work folder's record as it is measured (a single layer's is its `layer_kl` score), so a rerun reuses it; the
-    step is appended to `steps` for the conversion record."""
-    record = files.load_errors()
-    saved = record.setdefault("layer_set_kl", {})
-    kls = {}
-    label = f"greedy: layer {len(tied) + 1}"
-    for i in tqdm(candidates, desc=label, disable=not progress or not tied, leave=False):
-        key = ",".join(str(j) for j in sorted([*tied, i]))
-        if not tied:
-            kls[i] = scores[i]
-            continue
-        if key not in saved:
-            mixed = build(tie_layers(config, [*tied, i]))
-            saved[key] = score_blocks(mixed, validation_ids, reference=reference, progress=None).kl
-            del mixed
-            files.save_errors(record)
-        kls[i] = saved[key]
-    best = min(candidates, key=lambda i: (kls[i] is None, kls[i] if kls[i] is not None else 0.0))
-    steps.append({"tied": sorted(tied), "kl_with": {str(i): kls[i] for i in candidates}, "chosen": best})
-    return best
