@@ -69,13 +69,22 @@ def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
+    from qkvshare.evaluation.common import EvalInputError, check_causal_lm
+    from qkvshare.model_dir import ModelDirError
+
+    models = labelled(args.models)
+    for label, path in models.items():  # a typo in the last directory fails now, not after the source's pass
+        try:
+            check_causal_lm(str(path))
+        except (EvalInputError, ModelDirError) as err:
+            raise SystemExit(f"heldout_spread.py: --models {label}={path}: {err}") from None
     cache = Path(args.cache_dir).expanduser()
     src, described = source_dir(args.source, cache)
     tokenizer = AutoTokenizer.from_pretrained(src)
     documents = data.code_documents(cache) if args.domain == "code" else data.wiki_documents(cache)
     blocks = data.heldout_blocks(tokenizer, documents, args.block_size, args.blocks)
     nll = {"source": block_nll(load(src).eval(), blocks, "source")}
-    for label, path in labelled(args.models).items():
+    for label, path in models.items():
         nll[label] = block_nll(load(path).eval(), blocks, label)
     rows = []
     for label, values in nll.items():
