@@ -129,6 +129,21 @@ class Timer:
         self.seconds[self.name + "_cpu"] = round(time.process_time() - self.cpu, 1)
 
 
+def checked_models(items: list[str], script: str) -> dict[str, Path]:
+    """`--models` LABEL=DIR items as {label: directory}, each directory checked before any model loads (a typo in
+    the last one fails now, not after the first rows); `SystemExit` names the item."""
+    from qkvshare.evaluation.common import EvalInputError, check_causal_lm
+    from qkvshare.model_dir import ModelDirError
+
+    models = labelled(items)
+    for label, path in models.items():
+        try:
+            check_causal_lm(str(path))
+        except (EvalInputError, ModelDirError) as err:
+            raise SystemExit(f"{script}: --models {label}={path}: {err}") from None
+    return models
+
+
 def wall_seconds(row: dict) -> int:
     return round(sum(v for k, v in row["seconds"].items() if not k.endswith("_cpu")))
 
@@ -414,16 +429,8 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoTokenizer
 
-    from qkvshare.evaluation.common import EvalInputError, check_causal_lm
-    from qkvshare.model_dir import ModelDirError
-
     cache, out = Path(args.cache_dir).expanduser(), Path(args.output_dir)
-    models = labelled(args.models)
-    for label, path in models.items():  # a typo in the last directory fails now, not after the first row
-        try:
-            check_causal_lm(str(path))
-        except (EvalInputError, ModelDirError) as err:
-            raise SystemExit(f"convert_knowledge.py: --models {label}={path}: {err}") from None
+    models = checked_models(args.models, "convert_knowledge.py")
     out.mkdir(parents=True, exist_ok=True)
     src_path, described = source_dir(args.source, cache)
     settings = {k: getattr(args, k) for k in SETTINGS}

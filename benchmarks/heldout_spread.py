@@ -19,12 +19,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import knowledge_data as data  # noqa: E402
-from convert_knowledge import labelled, load, source_dir  # noqa: E402
+from convert_knowledge import checked_models, load, source_dir  # noqa: E402
 
 from qkvshare.analysis.common import markdown_table  # noqa: E402
 
@@ -45,14 +44,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-@torch.no_grad()
 def block_nll(model, blocks: torch.Tensor, label: str) -> torch.Tensor:
-    """(blocks,) summed next-token negative log-likelihood of each block, in float64."""
-    sums = []
-    for row in tqdm(blocks, desc=label, leave=False):
-        logits = model(row[None, :-1]).logits[0].float()
-        sums.append(F.cross_entropy(logits, row[1:], reduction="sum").double())
-    return torch.stack(sums)
+    """(blocks,) summed next-token negative log-likelihood of each block, in float64 (`score_blocks` on each block
+    alone: the scoring of `convert_knowledge.py`)."""
+    from qkvshare.evaluation.fidelity import score_blocks
+
+    scores = (score_blocks(model, row[None], progress=None) for row in tqdm(blocks, desc=label, leave=False))
+    return torch.tensor([s.mean_nll * s.tokens for s in scores], dtype=torch.float64)
 
 
 def ratio_and_interval(model_nll: torch.Tensor, source_nll: torch.Tensor, tokens: int, resamples: int):
@@ -69,29 +67,18 @@ def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from qkvshare.evaluation.common import EvalInputError, check_causal_lm
-    from qkvshare.model_dir import ModelDirError
-
-    models = labelled(args.models)
-    for label, path in models.items():  # a typo in the last directory fails now, not after the source's pass
-        try:
-            check_causal_lm(str(path))
-        except (EvalInputError, ModelDirError) as err:
-            raise SystemExit(f"heldout_spread.py: --models {label}={path}: {err}") from None
+    models = checked_models(args.models, "heldout_spread.py")
     cache = Path(args.cache_dir).expanduser()
     src, described = source_dir(args.source, cache)
     tokenizer = AutoTokenizer.from_pretrained(src)
     documents = data.code_documents(cache) if args.domain == "code" else data.wiki_documents(cache)
     blocks = data.heldout_blocks(tokenizer, documents, args.block_size, args.blocks)
-    nll = {"source": block_nll(load(src).eval(), blocks, "source")}
-    for label, path in models.items():
-        nll[label] = block_nll(load(path).eval(), blocks, label)
+    source = block_nll(load(src).eval(), blocks, "source")
     rows = []
-    for label, values in nll.items():
-        if label == "source":
-            continue
-        first = ratio_and_interval(values[: args.first], nll["source"][: args.first], args.block_size, args.bootstrap)
-        whole = ratio_and_interval(values, nll["source"], args.block_size, args.bootstrap)
+    for label, path in models.items():
+        values = block_nll(load(path).eval(), blocks, label)
+        first = ratio_and_interval(values[: args.first], source[: args.first], args.block_size, args.bootstrap)
+        whole = ratio_and_interval(values, source, args.block_size, args.bootstrap)
         rows.append([label, *(round(v, 3) for v in (*first, *whole))])
     n, k = args.blocks, args.first
     print(f"{described}: held-out {args.domain}, blocks of {args.block_size} tokens; 90% intervals over the blocks")
